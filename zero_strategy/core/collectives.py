@@ -1,0 +1,98 @@
+"""Stateless collectives: each takes its process group as an argument and records what it moved.
+
+Byte counts are the size of the full (unsharded) buffer a collective moves, the convention of NCCL's own
+tests; a ring implementation puts (N-1)/N of that on each rank's wire.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = dist.ProcessGroup | None
+
+# gloo emits a FutureWarning for reduce_scatter_tensor / all_gather_into_tensor in torch 2.13; it is about a
+# future API change, not about our use, and a `-W error` run must not fail on it.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+
+
+@dataclass(slots=True)
+class CommunicationLog:
+    """Bytes and calls per collective kind, accumulated since the last :meth:`reset`."""
+
+    bytes_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.bytes_by_kind[kind] += nbytes
+        self.calls_by_kind[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes_by_kind.clear()
+        self.calls_by_kind.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes_by_kind)
+
+
+class PendingGather(NamedTuple):
+    """An all-gather started asynchronously; ``wait()`` before reading ``output``."""
+
+    work: dist.Work | None
+    output: Tensor
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.output
+
+
+def _world(group: ProcessGroup) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_gather_flat(
+    output: Tensor, shard: Tensor, group: ProcessGroup, log: CommunicationLog, async_op: bool = False
+) -> PendingGather:
+    """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order."""
+    log.record("all_gather", output.numel() * output.element_size())
+    if _world(group) == 1:
+        output.copy_(shard)
+        return PendingGather(None, output)
+    work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return PendingGather(work if async_op else None, output)
+
+
+def reduce_scatter_mean(flat: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
+    """Average ``flat`` over ranks and return this rank's equal-sized slice of the result (a new tensor)."""
+    world = _world(group)
+    log.record("reduce_scatter", flat.numel() * flat.element_size())
+    shard = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+    if world == 1:
+        shard.copy_(flat)
+        return shard
+    dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group)
+    shard.div_(world)
+    return shard
+
+
+def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
+    """Sum ``tensor`` in place over ranks (scalars: norms, overflow flags)."""
+    log.record("all_reduce", tensor.numel() * tensor.element_size())
+    if _world(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: CommunicationLog) -> Tensor:
+    """Overwrite ``tensor`` in place with rank ``src``'s copy (``src`` is a global rank)."""
+    log.record("broadcast", tensor.numel() * tensor.element_size())
+    if _world(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor

@@ -1,0 +1,194 @@
+"""ZeroEngine: shards one module across the data-parallel ranks and steps the user's optimizers on slices.
+
+Communication plan of one optimizer step (Ψ parameters, N ranks):
+- stage 1: nothing during the micro-steps; at the step, per unit, one reduce-scatter of the accumulated full
+  gradients (Ψ) and, after the slice update, one all-gather of the updated parameters (Ψ).
+- stage 2: each unit is reduce-scattered as its backward completes (Ψ per micro-step); the all-gather after the
+  step as in stage 1 (Ψ).
+- stage 3: a unit is all-gathered before its forward (Ψ) and again before its backward (Ψ), and reduce-scattered
+  after it (Ψ per micro-step); nothing is gathered after the step — the next forward gathers the new values.
+Global-norm clipping adds one scalar all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.collectives import CommunicationLog, ProcessGroup, all_reduce_sum, broadcast_flat
+from zero_strategy.core.flat_param import DistContext, FlatParam
+from zero_strategy.core.hooks import RuntimeHooks
+from zero_strategy.core.optimizer import check_optimizer, param_group_index, repoint_param_groups
+from zero_strategy.core.sharding import choose_unit_modules, plan_units
+from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.unit import ZeroUnit
+
+
+def _dist_context(group: ProcessGroup) -> DistContext:
+    if dist.is_available() and dist.is_initialized():
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src)
+    return DistContext(None, 0, 1, 0)
+
+
+class ZeroEngine:
+    """Owns the units of one module, the hooks that drive them, and the binding of the user's optimizers."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        config: ZeroConfig,
+        group: ProcessGroup = None,
+        entry_module: nn.Module | None = None,
+    ) -> None:
+        """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``."""
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.config = config
+        self.stage = ZeroStage(config.stage)
+        self.ctx = _dist_context(group)
+        self.comm_log = CommunicationLog()
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer, config.allow_untested_optimizer)
+        owner = param_group_index(self.optimizers)
+        unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
+        keeps_full = not self.stage.reshards_parameters
+        self.units = [
+            ZeroUnit(plan, owner, self.ctx, self.comm_log, keeps_full) for plan in plan_units(module, unit_paths)
+        ]
+        self._sync_buffers()
+        self._repoint_optimizers()
+        self.hooks = RuntimeHooks(
+            self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward
+        )
+        self.hooks.install()
+        if self.stage.reshards_parameters:
+            for unit in self.units:
+                unit.reshard()
+
+    # --------------------------------------------------------------------------------------------- set-up
+    def _repoint_optimizers(self) -> None:
+        for opt_index, optimizer in enumerate(self.optimizers):
+            pieces_by_group: dict[int, list[nn.Parameter]] = {}
+            for flat in self._flat_params_of(opt_index):
+                for piece, group_index in zip(flat.master_pieces, flat.piece_group_index, strict=True):
+                    pieces_by_group.setdefault(group_index, []).append(piece)
+            repoint_param_groups(optimizer, pieces_by_group)
+
+    def _flat_params_of(self, optimizer_index: int | None) -> Iterator[FlatParam]:
+        for unit in self.units:
+            for flat, index in zip(unit.flat_params, unit.optimizer_index, strict=True):
+                if optimizer_index is None or index == optimizer_index:
+                    yield flat
+
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        return list(self._flat_params_of(None))
+
+    def _sync_buffers(self) -> None:
+        """Adopt rank 0's buffers (DDP does this at wrap time and, by default, before every forward)."""
+        buffers = [b for b in self.module.buffers() if b.numel() > 0]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for buffer in buffers:
+            by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for group in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            broadcast_flat(flat, self.ctx.src_rank, self.ctx.group, self.comm_log)
+            offset = 0
+            with torch.no_grad():
+                for buffer in group:
+                    buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                    offset += buffer.numel()
+
+    def _before_root_forward(self) -> None:
+        if self.config.broadcast_buffers and self.ctx.world_size > 1 and self.module.training:
+            if torch.is_grad_enabled():
+                self._sync_buffers()
+
+    # ------------------------------------------------------------------------------------ optimizer step
+    def optimizer_index(self, optimizer: Optimizer) -> int:
+        for index, candidate in enumerate(self.optimizers):
+            if candidate is optimizer:
+                return index
+        raise ValueError(f"{type(optimizer).__name__} was not given to ZeRO when the model was sharded")
+
+    def master_params(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        index = self.optimizer_index(optimizer)
+        return [piece for flat in self._flat_params_of(index) for piece in flat.master_pieces]
+
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Make the reduced gradients of ``optimizer``'s parameters available on its master pieces.
+
+        Stage 1 reduce-scatters here (the accumulation boundary); stages 2/3 already did during backward.
+        """
+        index = self.optimizer_index(optimizer)
+        for unit in self.units:
+            unit.reduce_grads(index, reduce_dtype=self.hooks.reduce_dtype)
+
+    def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
+        """The norm of the full gradient across all ranks' slices (padding is in no piece, so excluded)."""
+        grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            gathered = local.float().reshape(1)
+            if self.ctx.world_size > 1:
+                self.comm_log.record("all_reduce", gathered.element_size())
+                dist.all_reduce(gathered, op=dist.ReduceOp.MAX, group=self.ctx.group)
+            return gathered[0]
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        for grad in grads:
+            local += grad.double().abs().pow(norm_type).sum()
+        total = all_reduce_sum(local, self.ctx.group, self.comm_log)
+        return total[0].pow(1.0 / norm_type).float()
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        total = self.grad_norm(optimizer, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in self.master_params(optimizer):
+            if param.grad is not None:
+                param.grad.mul_(coefficient.to(param.grad.dtype))
+        return total
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        for param in self.master_params(optimizer):
+            if param.grad is not None:
+                param.grad.clamp_(-clip_value, clip_value)
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        """Propagate the updated slices: stages 1/2 gather them into the full parameters; stage 3 only drops any
+        gathered copy so the next forward gathers the new values."""
+        index = self.optimizer_index(optimizer)
+        for flat in self._flat_params_of(index):
+            if self.stage.reshards_parameters:
+                flat.reshard()
+            else:
+                flat.refresh_full_from_shards()
+
+    # --------------------------------------------------------------------------------------------- access
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Make every parameter of the module whole for the duration of the block (e.g. ``state_dict()``)."""
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            if self.stage.reshards_parameters:
+                for unit in self.units:
+                    unit.reshard()
+
+    def release(self) -> None:
+        """Undo the sharding: remove hooks and give the module standalone, up-to-date full parameters."""
+        self.hooks.remove()
+        for flat in self.flat_params:
+            for param in flat.params:
+                param.grad = None
+            flat.release_to_module()

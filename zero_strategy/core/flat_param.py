@@ -1,0 +1,206 @@
+"""FlatParam: a set of parameters stored as one padded flat buffer, of which this rank owns one slice.
+
+[Note: views into one flat buffer]
+The module keeps its own ``nn.Parameter`` objects (optimizers, ``state_dict`` keys and user code hold them);
+only their ``.data`` is re-pointed at views of ``full``. Freeing parameters at stage 3 resizes the *storage* of
+``full`` to zero bytes and gathering resizes it back and fills it, so every view — including the ones autograd
+saved for backward, such as ``weight.t()`` — sees the gathered values again without being re-created. ``.data``
+assignment gives each parameter its own version counter, so the in-place all-gather does not trip autograd's
+"modified by an inplace operation" check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+from torch import Tensor, nn
+
+from zero_strategy.core.collectives import (
+    CommunicationLog,
+    PendingGather,
+    ProcessGroup,
+    all_gather_flat,
+    broadcast_flat,
+    reduce_scatter_mean,
+)
+from zero_strategy.core.layout import FlatLayout
+
+
+class ShardState(Enum):
+    """Whether ``full`` holds the gathered parameters (UNSHARDED) or no storage at all (SHARDED)."""
+
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """Where a FlatParam lives: its process group, this rank and the world size."""
+
+    group: ProcessGroup
+    rank: int
+    world_size: int
+    src_rank: int  # global rank whose initial values every rank adopts (DDP broadcasts rank 0's too)
+
+
+class FlatParam:
+    """One communication unit's parameters of one kind (dtype × optimizer): a flat buffer and this rank's slice.
+
+    Communication plan: one broadcast at construction (rank 0's initial values); one reduce-scatter of the
+    flattened gradients per reduction; one all-gather of the shards to rebuild ``full``.
+    """
+
+    full: Tensor  # 1-D, compute dtype, padded_numel elements; storage resized to 0 bytes while SHARDED
+    shard: Tensor  # 1-D, this rank's slice: the source of truth (fp32 for trainable parameters)
+    master_pieces: list[nn.Parameter]  # views of `shard`, one per optimizer param group it touches
+    piece_group_index: list[int]  # for each master piece, the index of its optimizer param group
+    piece_offset: list[int]  # for each master piece, where it starts inside `shard`
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        group_index_of: dict[int, int] | None,
+        ctx: DistContext,
+        log: CommunicationLog,
+        keeps_full: bool,
+    ) -> None:
+        """``group_index_of`` maps ``id(param)`` to its optimizer param group; None for parameters no optimizer
+        updates (frozen, or evaluation without an optimizer). ``keeps_full``: stages 1/2, where ``full`` is
+        never freed."""
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.ctx = ctx
+        self.log = log
+        self.trainable = group_index_of is not None
+        self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named_params], ctx.world_size)
+        self.state = ShardState.UNSHARDED
+        self._pending: PendingGather | None = None
+        self._build_buffers(keeps_full)
+        self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
+            group_index_of or {}
+        )
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def _build_buffers(self, keeps_full: bool) -> None:
+        first = self.params[0]
+        with torch.no_grad():
+            full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
+            for span, param in zip(self.layout.spans, self.params, strict=True):
+                full[span.offset : span.end].copy_(param.detach().reshape(-1))
+            broadcast_flat(full, self.ctx.src_rank, self.ctx.group, self.log)
+            start, end = self.layout.shard_range(self.ctx.rank)
+            # The shard may alias its own segment of `full` when `full` is never freed (stages 1/2): that saves
+            # a copy of 1/N of the model. At stage 3 `full`'s storage is released, so the shard owns memory.
+            self.shard_aliases_full = keeps_full
+            self.shard = full[start:end] if keeps_full else full[start:end].clone()
+        self.full = full
+        for span, param in zip(self.layout.spans, self.params, strict=True):
+            param.data = full[span.offset : span.end].view(span.shape)
+
+    def _carve_master_pieces(
+        self, group_index_of: dict[int, int]
+    ) -> tuple[list[nn.Parameter], list[int], list[int]]:
+        """Split this rank's shard at optimizer-group boundaries (parameters were sorted by group)."""
+        if not self.trainable:
+            return [], [], []
+        pieces: list[nn.Parameter] = []
+        group_indices: list[int] = []
+        offsets: list[int] = []
+        start, end = self.layout.shard_range(self.ctx.rank)
+        for group_index, (lo, hi) in self._group_ranges(group_index_of):
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi:
+                pieces.append(nn.Parameter(self.shard[lo - start : hi - start], requires_grad=True))
+                group_indices.append(group_index)
+                offsets.append(lo - start)
+        return pieces, group_indices, offsets
+
+    def _group_ranges(self, group_index_of: dict[int, int]) -> list[tuple[int, tuple[int, int]]]:
+        ranges: list[tuple[int, tuple[int, int]]] = []
+        for span, param in zip(self.layout.spans, self.params, strict=True):
+            index = group_index_of[id(param)]
+            if ranges and ranges[-1][0] == index and ranges[-1][1][1] == span.offset:
+                ranges[-1] = (index, (ranges[-1][1][0], span.end))
+            else:
+                ranges.append((index, (span.offset, span.end)))
+        seen = [index for index, _ in ranges]
+        if len(seen) != len(set(seen)):
+            raise AssertionError("parameters of one optimizer group must be contiguous in a FlatParam")
+        return ranges
+
+    # ----------------------------------------------------------------------------------- shard / unshard
+    def start_unshard(self) -> None:
+        """Allocate ``full`` and start gathering every rank's shard into it (asynchronously where possible)."""
+        if self.state is ShardState.UNSHARDED or self._pending is not None:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.full.numel() * self.full.element_size())
+        source = self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
+        self._pending = all_gather_flat(self.full, source, self.ctx.group, self.log, async_op=True)
+
+    def finish_unshard(self) -> None:
+        """Wait for the gather started by :meth:`start_unshard`; afterwards the module's parameters are usable."""
+        if self.state is ShardState.UNSHARDED:
+            return
+        if self._pending is None:
+            self.start_unshard()
+        assert self._pending is not None
+        self._pending.wait()
+        self._pending = None
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free ``full``'s storage; the module's parameter views keep their shapes but hold no memory."""
+        if self._pending is not None:  # a prefetch nobody used: let it land before freeing its buffer
+            self._pending.wait()
+            self._pending = None
+            self.state = ShardState.UNSHARDED
+        if self.state is ShardState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    def refresh_full_from_shards(self) -> None:
+        """Stage 1/2: after an optimizer step, rebuild the (always allocated) ``full`` from the updated shards."""
+        assert self.state is ShardState.UNSHARDED
+        # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
+        source = self.shard.clone() if self.shard_aliases_full else self.shard.to(self.full.dtype)
+        all_gather_flat(self.full, source, self.ctx.group, self.log)
+
+    # ------------------------------------------------------------------------------------------ gradients
+    def has_pending_grads(self) -> bool:
+        return self.trainable and any(p.grad is not None for p in self.params)
+
+    def reduce_grads(self, reduce_dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter the module's gradients and accumulate this rank's slice into the master pieces' grads.
+
+        The module's ``.grad`` tensors are released afterwards: the slice is now the only copy.
+        """
+        if not self.has_pending_grads():
+            return
+        dtype = reduce_dtype or self.full.dtype
+        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+        for span, param in zip(self.layout.spans, self.params, strict=True):
+            if param.grad is not None:
+                flat[span.offset : span.end].copy_(param.grad.reshape(-1))
+                param.grad = None
+        reduced = reduce_scatter_mean(flat, self.ctx.group, self.log)
+        del flat
+        for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
+            chunk = reduced[offset : offset + piece.numel()]
+            if piece.grad is None:
+                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32)
+                piece.grad = chunk.to(piece.dtype, copy=True)
+            else:
+                piece.grad.add_(chunk)
+
+    # ------------------------------------------------------------------------------------------- teardown
+    def release_to_module(self) -> None:
+        """Give every parameter its own full tensor again (after training: the module works without us)."""
+        self.finish_unshard()
+        with torch.no_grad():
+            for span, param in zip(self.layout.spans, self.params, strict=True):
+                param.data = self.full[span.offset : span.end].view(span.shape).clone()
+        self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)

@@ -1,0 +1,149 @@
+"""Runtime hooks: gather units before they compute, reduce their gradients as backward finishes, free them after.
+
+Stage 3 installs forward pre/post hooks on every unit (the root's on the forward entry point), and a hook on each
+unit's outputs that gathers the unit again when backward reaches it. Stages 2 and 3 install a post-accumulate-grad
+hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered
+(stage 3 then frees it). A callback queued at the start of each backward sweeps up at its end: units whose
+parameters were not all used are reduced there, and every unit is freed.
+
+[Note: collective order]
+Every rank must issue collectives in the same order. A unit is reduced when its last gradient lands, which
+happens in the same order on every rank as long as all ranks run the same graph; units with parameters unused
+on every rank are reduced at the end of backward in unit order. A model whose *set of used parameters differs
+between ranks* within one step (data-dependent branches) is not supported at stages 2/3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.unit import TrainingState, ZeroUnit
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward (so a forward now is an activation-checkpoint recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class RuntimeHooks:
+    """Installs and owns the hooks that drive gathering, reduction and freeing of units during a step."""
+
+    def __init__(
+        self,
+        units: list[ZeroUnit],
+        stage: ZeroStage,
+        entry_module: nn.Module,
+        prefetch: bool,
+        on_root_forward: Callable[[], None],
+    ) -> None:
+        self.units = units
+        self.stage = stage
+        self.entry_module = entry_module
+        self.prefetch = prefetch
+        self.on_root_forward = on_root_forward
+        self.reduce_dtype: torch.dtype | None = None
+        self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
+        self._order_recorded = False
+        self._callback_queued = False
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        for unit in self.units:
+            if self.stage.reshards_parameters:
+                module = self.entry_module if unit.is_root else unit.module
+                self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True))
+                self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
+            if self.stage.reduces_every_microstep:
+                for param in unit.trainable_params:
+                    self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+        if not self.stage.reshards_parameters:
+            self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_forward_replicated))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --------------------------------------------------------------------------------------------- forward
+    def _pre_forward_replicated(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self.on_root_forward()
+
+    def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
+        if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
+            unit.unshard()
+            return
+        if unit.is_root:
+            self.on_root_forward()
+        unit.unshard()
+        unit.state = TrainingState.FORWARD
+        if not self._order_recorded:
+            if unit not in self.forward_order:
+                self.forward_order.append(unit)
+        elif self.prefetch:
+            self._prefetch(unit, step=1)
+
+    def _post_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        unit.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, unit))
+        # The root stays whole after a training forward: its backward comes first.
+        if not (unit.is_root and torch.is_grad_enabled()):
+            unit.reshard()
+        if unit.is_root:
+            self._order_recorded = True
+
+    def _prefetch(self, unit: ZeroUnit, step: int) -> None:
+        if unit not in self.forward_order:
+            return
+        index = self.forward_order.index(unit) + step
+        if 0 <= index < len(self.forward_order):
+            self.forward_order[index].start_unshard()
+
+    # -------------------------------------------------------------------------------------------- backward
+    def _pre_backward(self, unit: ZeroUnit, grad: Tensor) -> None:
+        self._queue_final_callback()
+        if unit.state is TrainingState.BACKWARD:
+            return
+        unit.state = TrainingState.BACKWARD
+        unit.unshard()
+        if self.prefetch:
+            self._prefetch(unit, step=-1)
+
+    def _on_grad_ready(self, unit: ZeroUnit, param: Tensor) -> None:
+        self._queue_final_callback()
+        unit.grads_ready += 1
+        if unit.grads_ready < unit.expected_grads():
+            return
+        unit.reduce_grads(reduce_dtype=self.reduce_dtype)
+        # A unit with frozen parameters may still be needed by backward ops that produce no gradient for it
+        # (a frozen layer earlier in the unit), and the root's parameters can be used anywhere: both wait.
+        if self.stage.reshards_parameters and not unit.has_frozen and not unit.is_root:
+            unit.reshard()
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units:
+            if self.stage.reduces_every_microstep:
+                unit.reduce_grads(reduce_dtype=self.reduce_dtype)
+            if self.stage.reshards_parameters:
+                unit.reshard()
+            unit.state = TrainingState.IDLE
+            unit.grads_ready = 0
+        self._callback_queued = False

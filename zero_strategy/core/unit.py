@@ -1,0 +1,89 @@
+"""ZeroUnit: one module's worth of parameters, stored as FlatParams, with the transitions the hooks call."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+from torch import nn
+
+from zero_strategy.core.collectives import CommunicationLog
+from zero_strategy.core.flat_param import DistContext, FlatParam, ShardState
+from zero_strategy.core.sharding import UnitPlan
+
+
+class TrainingState(Enum):
+    """What the unit is doing right now, so hooks know whether a forward is a recomputation inside backward."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+class ZeroUnit:
+    """The parameters one module stores, split into FlatParams by kind: (dtype, which optimizer steps them).
+
+    A FlatParam must be uniform in dtype (one flat buffer) and in optimizer (so that stepping one optimizer of a
+    GAN communicates only its own parameters). Frozen or un-optimized parameters form their own FlatParam, which
+    is gathered at stage 3 but never reduced and has no master pieces.
+    """
+
+    def __init__(
+        self,
+        plan: UnitPlan,
+        owner: dict[int, tuple[int, int]],
+        ctx: DistContext,
+        log: CommunicationLog,
+        keeps_full: bool,
+    ) -> None:
+        self.name = plan.name
+        self.module = plan.module
+        self.state = TrainingState.IDLE
+        self.flat_params: list[FlatParam] = []
+        self.optimizer_index: list[int | None] = []  # parallel to flat_params
+        kinds: dict[tuple[torch.dtype, int | None], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in plan.named_params:
+            optimized = param.requires_grad and id(param) in owner
+            kind = (param.dtype, owner[id(param)][0] if optimized else None)
+            kinds.setdefault(kind, []).append((name, param))
+        for (_, opt_index), named in kinds.items():
+            if opt_index is None:
+                group_of = None
+            else:
+                named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
+                group_of = {id(p): owner[id(p)][1] for _, p in named}
+            self.flat_params.append(FlatParam(named, group_of, ctx, log, keeps_full))
+            self.optimizer_index.append(opt_index)
+        self.has_frozen = any(not fp.trainable for fp in self.flat_params)
+        self.trainable_params = [p for fp in self.flat_params if fp.trainable for p in fp.params]
+        self.grads_ready = 0  # post-accumulate-grad hooks fired in the current backward
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
+    @property
+    def is_sharded(self) -> bool:
+        return all(fp.state is ShardState.SHARDED for fp in self.flat_params)
+
+    def start_unshard(self) -> None:
+        for flat in self.flat_params:
+            flat.start_unshard()
+
+    def unshard(self) -> None:
+        for flat in self.flat_params:
+            flat.finish_unshard()
+
+    def reshard(self) -> None:
+        for flat in self.flat_params:
+            flat.reshard()
+
+    def reduce_grads(self, optimizer_index: int | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter pending gradients (of one optimizer's FlatParams, or all)."""
+        for flat, index in zip(self.flat_params, self.optimizer_index, strict=True):
+            if flat.trainable and (optimizer_index is None or index == optimizer_index):
+                flat.reduce_grads(reduce_dtype)
+
+    def expected_grads(self) -> int:
+        """How many post-accumulate-grad hooks a backward that reaches every parameter fires."""
+        return sum(1 for p in self.trainable_params if p.requires_grad)
