@@ -1,0 +1,56 @@
+"""What a rank holds: bytes of parameters, gradients and optimizer state, found by walking distinct storages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from zero_strategy.core.engine import ZeroEngine
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Per-rank model-state bytes (each storage counted once, whatever views share it)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def storage_bytes(tensors: Iterable[Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (``seen`` lets several calls share one tally)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def memory_report(engine: ZeroEngine) -> MemoryReport:
+    seen: set[int] = set()
+    param_tensors: list[Tensor] = []
+    for flat in engine.flat_params:
+        param_tensors.extend([flat.full, flat.shard])
+    parameters = storage_bytes(param_tensors, seen)
+    grad_tensors = [p.grad for flat in engine.flat_params for p in flat.params if p.grad is not None]
+    grad_tensors += [p.grad for flat in engine.flat_params for p in flat.master_pieces if p.grad is not None]
+    gradients = storage_bytes(grad_tensors, seen)
+    state_tensors = [
+        value
+        for optimizer in engine.optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, Tensor)
+    ]
+    return MemoryReport(parameters, gradients, storage_bytes(state_tensors, seen))

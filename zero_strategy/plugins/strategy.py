@@ -1,0 +1,289 @@
+"""ZeroStrategy: the Lightning adapter. It translates Lightning's hooks into ZeroEngine calls; no collectives here
+except Lightning's own object broadcast/barrier plumbing."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.memory import MemoryReport, memory_report
+from zero_strategy.plugins.precision import ZeroPrecision
+
+
+class _ForwardEntry(nn.Module):
+    """The module Lightning calls for every step (through its forward redirection), so that the root unit's
+    gather/free hooks run around ``training_step`` / ``validation_step`` whatever the step touches."""
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO sharded data parallelism (stage 1, 2 or 3) for any LightningModule.
+
+    ``ZeroStrategy(stage=3)`` or ``Trainer(strategy="zero3")`` after ``import zero_strategy``. Options are the
+    fields of :class:`zero_strategy.ZeroConfig`, given as keywords or as ``config=``.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int | None = None,
+        *,
+        config: ZeroConfig | None = None,
+        start_method: str = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        **options: Any,
+    ) -> None:
+        # Lightning's plumbing arguments are kept by name for compatibility with its connectors.
+        if config is not None and options:
+            raise ValueError(f"pass ZeRO options either as config= or as keywords, not both (got {sorted(options)})")
+        if config is None:
+            config = ZeroConfig.from_kwargs(**({"stage": stage} if stage is not None else {}), **options)
+        elif stage is not None and stage != config.stage:
+            raise ValueError(f"stage={stage} disagrees with config.stage={config.stage}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = config
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._engine: ZeroEngine | None = None
+
+    # ------------------------------------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning reads this for custom strategies: without it there is no DistributedSampler and
+        # self.log(sync_dist=True) does not sync.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=timedelta(seconds=self.config.process_group_timeout_s),
+        )
+
+    # ------------------------------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision()
+        assert isinstance(self._precision_plugin, ZeroPrecision)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning installs torch AMP / HalfPrecision for any strategy it does not know; translate them.
+        self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
+
+    # ---------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self._shard_model()
+        self.setup_precision_plugin()
+
+    def _shard_model(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if self._engine is not None:  # fit() then test() on one Trainer: start from a plain module again
+            self._engine.release()
+        entry = _ForwardEntry(module)
+        self._engine = ZeroEngine(module, list(self.optimizers), self.config, group=None, entry_module=entry)
+        self.model = entry
+        self.precision_plugin.attach(self._engine)
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError("the model is not sharded: ZeroStrategy.setup() has not run, or teardown() has.")
+        return self._engine
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.release()  # the LightningModule holds full, up-to-date parameters again
+            self._engine = None
+            self.precision_plugin.attach(None)
+        self.model = self.lightning_module
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------- step plumbing
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Stage 1 communicates only in optimizer_step; stages 2/3 reduce every micro-step by design.
+        with nullcontext():
+            yield
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict (stage 3 gathers every unit first; every rank must call this)."""
+        assert self.lightning_module is not None
+        if self._engine is None:
+            return self.lightning_module.state_dict()
+        with self._engine.gathered_parameters():
+            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        return memory_report(self.engine)
+
+    def communication_report(self) -> dict[str, int]:
+        """Bytes sent per collective kind since the model was sharded (or the last ``reset``)."""
+        return self.engine.comm_log.snapshot()
+
+    # ---------------------------------------------------------------------------- Lightning collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for stage in (1, 2, 3):
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
+                name = f"zero{stage}{suffix}"
+                if name in strategy_registry:
+                    continue
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"ZeRO stage {stage} sharded data parallel ({start_method} launcher)",
+                    stage=stage,
+                    start_method=start_method,
+                )
+
+
+def to_zero_precision(plugin: Precision) -> ZeroPrecision:
+    """Translate whatever precision plugin Lightning chose into ZeroPrecision, refusing what we cannot honour."""
+    if isinstance(plugin, ZeroPrecision):
+        return plugin
+    return ZeroPrecision(str(getattr(plugin, "precision", "32-true")))
