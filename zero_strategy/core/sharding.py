@@ -30,7 +30,7 @@ def choose_unit_modules(root: nn.Module, unit_classes: list[str], min_unit_numel
             for name, module in root.named_modules()
             if name and (type(module).__name__ in unit_classes or type(module).__qualname__ in unit_classes)
         ]
-        return [""] + chosen
+        return ["", *chosen]
     chosen_set: set[str] = set()
     for name, module in root.named_modules():
         if isinstance(module, nn.ModuleList):
@@ -39,7 +39,7 @@ def choose_unit_modules(root: nn.Module, unit_classes: list[str], min_unit_numel
                     chosen_set.add(f"{name}.{child_name}" if name else child_name)
     chosen_set |= _modules_over_threshold(root, min_unit_numel, chosen_set)
     ordered = [name for name, _ in root.named_modules() if name in chosen_set]
-    return [""] + ordered
+    return ["", *ordered]
 
 
 def _modules_over_threshold(root: nn.Module, min_unit_numel: int, already: set[str]) -> set[str]:

@@ -133,7 +133,7 @@ class ZeroStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def _configure_launcher(self) -> None:
@@ -141,7 +141,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:

@@ -1,0 +1,25 @@
+# Two entry points, both from a fresh clone:
+#   make train   set up the environment and run the main job (GPT on the bundled corpus, zero3, 2 CPU ranks)
+#   make test    set up the environment and run lint, type checks and the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup train test lint
+setup: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+train: setup
+	$(BIN)/python examples/train.py
+
+lint: setup
+	$(BIN)/ruff check zero_strategy tests examples
+	$(BIN)/mypy zero_strategy
+
+test: lint
+	$(BIN)/python -m pytest -q
