@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -96,3 +96,21 @@ def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: Communica
     if _world(group) > 1:
         dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
+    """Rank ``src``'s picklable object on every rank (small control data: paths, ids)."""
+    if _world(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
+def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
+    """Every rank's picklable object, in rank order (small control data: file sizes, success flags)."""
+    if _world(group) == 1:
+        return [obj]
+    gathered: list[Any] = [None] * _world(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

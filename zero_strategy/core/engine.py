@@ -92,6 +92,24 @@ class ZeroEngine:
     def flat_params(self) -> list[FlatParam]:
         return list(self._flat_params_of(None))
 
+    def named_flat_params(self) -> Iterator[tuple[str, FlatParam, int | None]]:
+        """(stable key, FlatParam, optimizer index) for every FlatParam, in unit order (checkpoints use the key)."""
+        for unit in self.units:
+            for position, (flat, index) in enumerate(zip(unit.flat_params, unit.optimizer_index, strict=True)):
+                yield f"{unit.name}/{position}", flat, index
+
+    def parameter_names(self) -> dict[int, str]:
+        """``id(param)`` → the canonical name under which checkpoints store it."""
+        return {id(p): name for flat in self.flat_params for name, p in zip(flat.names, flat.params, strict=True)}
+
+    def after_load(self) -> None:
+        """Shards were overwritten (checkpoint load): make the module's parameters reflect them again."""
+        for flat in self.flat_params:
+            if self.stage.reshards_parameters:
+                flat.reshard()
+            else:
+                flat.refresh_full_from_shards()
+
     def _sync_buffers(self) -> None:
         """Adopt rank 0's buffers (DDP does this at wrap time and, by default, before every forward)."""
         buffers = [b for b in self.module.buffers() if b.numel() > 0]

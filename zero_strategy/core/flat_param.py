@@ -74,6 +74,8 @@ class FlatParam:
         self.ctx = ctx
         self.log = log
         self.trainable = group_index_of is not None
+        # each parameter's optimizer param group (None: no optimizer steps it); checkpoints record it
+        self.param_group_index = [group_index_of[id(p)] if group_index_of else None for p in self.params]
         self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named_params], ctx.world_size)
         self.state = ShardState.UNSHARDED
         self._pending: PendingGather | None = None

@@ -1,0 +1,134 @@
+"""Loading a sharded checkpoint into a sharded engine: any world size, any stage, any unit layout.
+
+Every check runs before the first tensor is written, so a checkpoint that does not fit leaves the model and the
+optimizers exactly as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.rng import restore_rng
+from zero_strategy.checkpoint.shard_content import scalar_value
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.optimizer import qualified_name
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """What will be loaded, decided by :func:`check_compatible`."""
+
+    with_optimizer: bool
+    missing: list[str]  # parameters of the model the checkpoint lacks (non-strict loading only)
+
+
+def check_compatible(engine: ZeroEngine, ckpt: ShardedCheckpoint, strict: bool, with_optimizer: bool) -> LoadPlan:
+    """Raise :class:`CheckpointError` if the checkpoint does not describe this model (and its optimizers)."""
+    where = ckpt.path
+    model = {n: tuple(p.shape) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
+    stored = {name: tuple(param.shape) for name, (_, param) in ckpt.params.items()}
+    wrong_shape = [
+        f"{n}: checkpoint {stored[n]} vs model {shape}" for n, shape in model.items() if stored.get(n, shape) != shape
+    ]
+    missing = sorted(set(model) - set(stored))
+    unexpected = sorted(set(stored) - set(model))
+    if wrong_shape or (strict and (missing or unexpected)):
+        raise CheckpointError(
+            f"{where} is a checkpoint of another model: "
+            + "; ".join(
+                part
+                for part in (
+                    f"shape mismatch {wrong_shape[:5]}" if wrong_shape else "",
+                    f"missing parameters {missing[:5]}" if missing and strict else "",
+                    f"unexpected parameters {unexpected[:5]}" if unexpected and strict else "",
+                )
+                if part
+            )
+        )
+    if with_optimizer:
+        if not ckpt.manifest.has_optimizer_state:
+            raise CheckpointError(f"{where} holds no optimizer state (saved with save_weights_only=True)")
+        saved = ckpt.manifest.optimizers
+        current = [{"class": qualified_name(o), "param_groups": len(o.param_groups)} for o in engine.optimizers]
+        if saved != current:
+            raise CheckpointError(f"{where}: optimizers differ: checkpoint {saved}, this run {current}")
+        _check_groups(engine, ckpt)
+    return LoadPlan(with_optimizer=with_optimizer, missing=missing)
+
+
+def _check_groups(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
+    for flat in engine.flat_params:
+        for name, group in zip(flat.names, flat.param_group_index, strict=True):
+            if name in ckpt.params and ckpt.params[name][1].group_index != group:
+                raise CheckpointError(
+                    f"{ckpt.path}: parameter {name} is in optimizer param group {ckpt.params[name][1].group_index} "
+                    f"in the checkpoint but in group {group} in this run"
+                )
+
+
+def load_weights(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
+    """Fill every rank's master shards from the checkpoint, whatever layout wrote it."""
+    rank = engine.ctx.rank
+    with torch.no_grad():
+        for flat in engine.flat_params:
+            for piece in flat.layout.overlaps(rank):
+                if piece.name not in ckpt.params:
+                    continue
+                values = ckpt.read_param(piece.name, "flat", piece.param_start, piece.numel)
+                flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+    engine.after_load()
+
+
+def load_optimizer_state(engine: ZeroEngine, ckpt: ShardedCheckpoint, param_groups: list[list[dict]]) -> None:
+    """Rebuild each master piece's optimizer state from the elements it now covers, and the groups' hyper-
+    parameters (learning rates moved by schedulers)."""
+    for optimizer, groups in zip(engine.optimizers, param_groups, strict=True):
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    for _, flat, opt_index in engine.named_flat_params():
+        if opt_index is None:
+            continue
+        optimizer = engine.optimizers[opt_index]
+        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+            state = _piece_state(engine, ckpt, flat, offset, piece)
+            if state:
+                optimizer.state[piece] = state
+
+
+def _piece_state(
+    engine: ZeroEngine, ckpt: ShardedCheckpoint, flat: FlatParam, offset: int, piece: nn.Parameter
+) -> dict[str, object]:
+    """The state of one master piece, gathered parameter by parameter from the checkpoint."""
+    end = offset + piece.numel()
+    overlapping = [o for o in flat.layout.overlaps(engine.ctx.rank) if offset <= o.shard_start < end]
+    if not overlapping or overlapping[0].name not in ckpt.params:
+        return {}
+    first_flat, first_param = ckpt.params[overlapping[0].name]
+    names = ckpt.state_names(first_flat)
+    state: dict[str, object] = {}
+    for name in names:
+        values = torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
+        for overlap in overlapping:
+            chunk = ckpt.read_param(overlap.name, f"optim:{name}", overlap.param_start, overlap.numel)
+            values = values.to(chunk.dtype)
+            values[overlap.shard_start - offset : overlap.shard_start - offset + overlap.numel].copy_(chunk)
+        state[name] = values.view_as(piece)
+    position = first_param.offset + overlapping[0].param_start
+    for name, record in ckpt.scalar_state_at(first_flat, position).items():
+        state[name] = scalar_value(record, piece.device)
+    return state
+
+
+def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
+    """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise)."""
+    saved = ckpt.rng_state(engine.ctx.rank)
+    if saved is None:
+        return False
+    restore_rng(*saved)
+    return True

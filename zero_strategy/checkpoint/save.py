@@ -1,0 +1,171 @@
+"""Writing a sharded checkpoint: every rank writes its own shard, nothing is gathered onto one rank.
+
+Sequence (see [Note: checkpoint layout] in format.py): rank 0 picks an id and a staging directory and tells every
+rank; each rank writes its shard file; every rank reports success and file size; only if all succeeded does rank
+0 write the trainer state and the manifest, then publish (rename or manifest switch). A rank that dies leaves the
+others waiting in the report step until the process-group timeout: nothing was published, the previous
+checkpoint is intact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero_strategy.checkpoint.format import (
+    BUFFERS_KEY,
+    MANIFEST_NAME,
+    PARAM_GROUPS_KEY,
+    TRAINER_STATE_NAME,
+    CheckpointError,
+    FlatEntry,
+    Manifest,
+    ParamEntry,
+    shard_file_name,
+)
+from zero_strategy.checkpoint.rng import capture_rng
+from zero_strategy.checkpoint.safetensors_io import write_safetensors
+from zero_strategy.checkpoint.shard_content import collect_shard, encode_metadata
+from zero_strategy.core.collectives import all_gather_object, broadcast_object
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.optimizer import qualified_name
+
+
+@dataclass(frozen=True, slots=True)
+class SaveInfo:
+    """What the manifest records beyond the engine itself."""
+
+    precision: str
+    offload: dict[str, Any]
+    versions: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Staging:
+    checkpoint_id: str
+    root: Path  # the directory that becomes (or already is) the checkpoint
+    version_dir: Path
+    fresh: bool  # True: `root` is a hidden sibling renamed to the target at the end
+
+
+def _plan_staging(path: Path) -> _Staging:
+    checkpoint_id = uuid.uuid4().hex[:12]
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        root, fresh = path, False
+    else:
+        root, fresh = path.parent / f".{path.name}.partial-{checkpoint_id}", True
+    version_dir = root / f"v-{checkpoint_id}"
+    version_dir.mkdir(parents=True)
+    return _Staging(checkpoint_id, root, version_dir, fresh)
+
+
+def _manifest_entries(engine: ZeroEngine) -> tuple[list[FlatEntry], list[list[str]]]:
+    flats: list[FlatEntry] = []
+    for key, flat, opt_index in engine.named_flat_params():
+        params = [
+            ParamEntry(name=span.name, shape=list(span.shape), offset=span.offset, numel=span.numel, group_index=group)
+            for span, group in zip(flat.layout.spans, flat.param_group_index, strict=True)
+        ]
+        dtype = str(flat.shard.dtype).removeprefix("torch.")
+        flats.append(FlatEntry(key, dtype, opt_index, flat.shard.numel(), params))
+    names = engine.parameter_names()
+    keys = [
+        [key, "param", names[id(value)]] if id(value) in names else [key, "buffer", key]
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+    ]
+    return flats, keys
+
+
+def save_sharded(
+    engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
+) -> None:
+    """Collective: every rank of the engine's group calls this with the same ``path``."""
+    ctx = engine.ctx
+    target = Path(path)
+    planned: _Staging | str | None = None
+    if ctx.rank == 0:
+        try:
+            if target.exists() and not target.is_dir():
+                raise CheckpointError(f"{target} exists and is a file, not a sharded checkpoint directory.")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            planned = _plan_staging(target)
+        except OSError as error:
+            planned = f"cannot create a checkpoint at {target}: {error}"
+        except CheckpointError as error:
+            planned = str(error)
+    planned = broadcast_object(planned, 0, ctx.group)
+    if not isinstance(planned, _Staging):
+        raise CheckpointError(str(planned))
+    staging = planned
+    with_optimizer = "optimizer_states" in trainer_state
+    report: tuple[bool, Any]
+    try:
+        specs, tensors, scalars = collect_shard(engine, with_optimizer)
+        rng_tensors, rng_json = capture_rng()
+        specs += [(name, t.dtype, list(t.shape)) for name, t in rng_tensors.items()]
+        metadata = encode_metadata(staging.checkpoint_id, ctx.rank, ctx.world_size, scalars, rng_json)
+        all_tensors = itertools.chain(tensors, rng_tensors.values())
+        size = write_safetensors(staging.version_dir / shard_file_name(ctx.rank), specs, all_tensors, metadata)
+        report = (True, size)
+    except Exception as error:  # every rank must reach the report step, or the others wait for nothing
+        report = (False, f"rank {ctx.rank}: {type(error).__name__}: {error}")
+    reports = all_gather_object(report, ctx.group)
+    failures = [message for ok, message in reports if not ok]
+    if ctx.rank == 0 and not failures:
+        try:
+            _publish(engine, target, staging, trainer_state, info, [size for _, size in reports], with_optimizer)
+        except Exception as error:
+            failures.append(f"rank 0 publishing: {type(error).__name__}: {error}")
+    if ctx.rank == 0 and failures:
+        shutil.rmtree(staging.root if staging.fresh else staging.version_dir, ignore_errors=True)
+    failures = broadcast_object(failures, 0, ctx.group)  # nobody returns before the checkpoint is published
+    if failures:
+        raise CheckpointError(f"saving {target} failed; the previous checkpoint is untouched: {'; '.join(failures)}")
+
+
+def _publish(
+    engine: ZeroEngine,
+    target: Path,
+    staging: _Staging,
+    trainer_state: dict[str, Any],
+    info: SaveInfo,
+    shard_bytes: list[int],
+    with_optimizer: bool,
+) -> None:
+    state_path = staging.version_dir / TRAINER_STATE_NAME
+    flats, keys = _manifest_entries(engine)
+    buffer_keys = {key for key, kind, _ in keys if kind == "buffer"}
+    buffers = {k: v.detach().cpu() for k, v in engine.module.state_dict().items() if k in buffer_keys}
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in engine.optimizers]
+    torch.save({**trainer_state, BUFFERS_KEY: buffers, PARAM_GROUPS_KEY: groups}, state_path)
+    manifest = Manifest(
+        checkpoint_id=staging.checkpoint_id,
+        version_dir=staging.version_dir.name,
+        world_size=engine.ctx.world_size,
+        stage=int(engine.stage),
+        precision=info.precision,
+        offload=info.offload,
+        versions=info.versions,
+        flat_params=flats,
+        state_dict_keys=keys,
+        optimizers=[
+            {"class": qualified_name(o), "param_groups": len(o.param_groups)} for o in engine.optimizers
+        ],
+        shard_bytes=shard_bytes,
+        trainer_state_bytes=state_path.stat().st_size,
+        has_optimizer_state=with_optimizer,
+    )
+    manifest.write_atomically(staging.root)
+    if staging.fresh:
+        os.rename(staging.root, target)
+    for stale in target.glob("v-*"):
+        if stale.name != staging.version_dir.name:
+            shutil.rmtree(stale, ignore_errors=True)
+    os.utime(target)  # Lightning's ckpt_path="last" picks the newest by modification time
