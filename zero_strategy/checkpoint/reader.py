@@ -140,9 +140,18 @@ class ShardedCheckpoint:
         tensors = {name: reader.read(name) for name in reader.entries if name.startswith("rng/")}
         return tensors, reader.metadata.get("rng", "{}")
 
-    def trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self, weights_only: bool | None = True) -> dict[str, Any]:
+        """Lightning's non-tensor state. Loaded with ``weights_only=True`` unless the caller says otherwise, as
+        Lightning does for its own checkpoints; the shard files never need pickle."""
         path = self.version_dir / TRAINER_STATE_NAME
+        safe = True if weights_only is None else weights_only
         try:
-            return dict(torch.load(path, map_location="cpu", weights_only=True))
+            return dict(torch.load(path, map_location="cpu", weights_only=safe))
         except Exception as error:
-            raise CheckpointError(f"{path} could not be loaded with weights_only=True: {error}") from error
+            hint = (
+                " It holds objects beyond plain data (often hyper-parameters such as a dataclass); if you trust "
+                "this checkpoint, pass weights_only=False (e.g. trainer.fit(..., weights_only=False))."
+                if safe
+                else ""
+            )
+            raise CheckpointError(f"{path} could not be loaded (weights_only={safe}): {error}.{hint}") from error

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -32,9 +32,11 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
+from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
+from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.plugins.precision import ZeroPrecision
 
 
@@ -191,6 +193,7 @@ class ZeroStrategy(ParallelStrategy):
         self._engine = ZeroEngine(module, list(self.optimizers), self.config, group=None, entry_module=entry)
         self.model = entry
         self.precision_plugin.attach(self._engine)
+        self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
 
     @property
     def engine(self) -> ZeroEngine:
@@ -209,6 +212,8 @@ class ZeroStrategy(ParallelStrategy):
             self._engine.release()  # the LightningModule holds full, up-to-date parameters again
             self._engine = None
             self.precision_plugin.attach(None)
+            self.checkpoint_io.attach(None, str(self.precision_plugin.precision))
+            self.checkpoint_io.close()
         self.model = self.lightning_module
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
@@ -222,14 +227,71 @@ class ZeroStrategy(ParallelStrategy):
         with nullcontext():
             yield
 
+    # -------------------------------------------------------------------------------------- checkpoints
+    @property  # type: ignore[override]
+    def checkpoint_io(self) -> ShardedCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        assert isinstance(self._checkpoint_io, ShardedCheckpointIO)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None and not isinstance(io, ShardedCheckpointIO):
+            raise TypeError(
+                f"ZeroStrategy saves sharded checkpoints and needs ShardedCheckpointIO, got {type(io).__name__}. "
+                "Remove the CheckpointIO plugin; use zero-to-fp32 to get a single-file checkpoint."
+            )
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights are loaded straight into the master shards, which exist only after setup() sharded the model.
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict (stage 3 gathers every unit first; every rank must call this)."""
+        """Empty: parameters and buffers are written by each rank into its shard, never gathered for saving."""
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Empty: each rank writes its own optimizer-state slices into its shard."""
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Lightning calls this on every rank; every rank writes its shard into the directory rank 0 names.
+        path = self.broadcast(filepath)
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        state = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        module = self.lightning_module
+        assert module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        with_optimizer = fitting and "optimizer_states" in state and bool(self.optimizers)
+        self.checkpoint_io.check(strict=module.strict_loading, with_optimizer=with_optimizer)
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        opened = self.checkpoint_io.opened
+        assert opened is not None, "load_checkpoint() must run first"
+        load_weights(self.engine, opened)
         assert self.lightning_module is not None
-        if self._engine is None:
-            return self.lightning_module.state_dict()
-        with self._engine.gathered_parameters():
-            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        self.lightning_module.load_state_dict(self.checkpoint_io.buffers, strict=False)
+        restore_rank_rng(self.engine, opened)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        opened = self.checkpoint_io.opened
+        assert opened is not None, "load_checkpoint() must run first"
+        load_optimizer_state(self.engine, opened, self.checkpoint_io.param_groups)
+        self.checkpoint_io.close()
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds for parameters, gradients and optimizer state."""

@@ -1,0 +1,110 @@
+"""ShardedCheckpointIO: Lightning's checkpoint hooks mapped onto sharded checkpoint directories.
+
+Every rank calls ``save_checkpoint`` (ZeroStrategy makes sure of that); each writes its own shard. Loading is
+split in two so that Lightning's restore order works: ``load_checkpoint`` validates every file and the model's
+compatibility before anything changes and returns Lightning's trainer state; the strategy then loads weights and
+optimizer state from :attr:`opened` at the points where Lightning restores the model and the optimizers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.load import check_compatible
+from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.core.engine import ZeroEngine
+
+
+class ShardedCheckpointIO(CheckpointIO):
+    """Writes and reads zero_strategy sharded checkpoint directories (see zero_strategy/checkpoint/format.py)."""
+
+    def __init__(self) -> None:
+        self._engine: ZeroEngine | None = None
+        self._precision = "32-true"
+        self.opened: ShardedCheckpoint | None = None
+        self.param_groups: list[list[dict]] = []
+        self.buffers: dict[str, Any] = {}
+
+    def attach(self, engine: ZeroEngine | None, precision: str) -> None:
+        self._engine = engine
+        self._precision = precision
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError("ShardedCheckpointIO is used before ZeroStrategy sharded the model.")
+        return self._engine
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ShardedCheckpointIO.save_checkpoint does not take storage_options")
+        if self._engine is None:
+            # Not sharding (after teardown): Lightning's spawn launcher hands the final plain state_dict from
+            # rank 0 to the main process through this plugin. Write it as TorchCheckpointIO would.
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, path)
+            return
+        # The module's parameters and the optimizer states live in the shards; keep Lightning's remaining state.
+        trainer_state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        if "optimizer_states" in trainer_state:
+            trainer_state["optimizer_states"] = [{} for _ in trainer_state["optimizer_states"]]
+        versions = {
+            "zero_strategy": _library_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+        }
+        save_sharded(self.engine, path, trainer_state, SaveInfo(self._precision, {}, versions))
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Validate the checkpoint against the sharded model and return Lightning's state (no model change)."""
+        if self._engine is None and Path(path).is_file():  # the spawn launcher's plain hand-over (see above)
+            return dict(torch.load(path, map_location=map_location or "cpu", weights_only=True))
+        self.close()
+        opened = ShardedCheckpoint(path)
+        try:
+            state = opened.trainer_state(weights_only)
+        except Exception:
+            opened.close()
+            raise
+        self.opened = opened
+        self.param_groups = state.pop(PARAM_GROUPS_KEY, [])
+        self.buffers = state.pop(BUFFERS_KEY, {})
+        state["state_dict"] = {}
+        return state
+
+    def check(self, strict: bool, with_optimizer: bool) -> None:
+        assert self.opened is not None
+        check_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
+            self.opened = None
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        target = Path(path)
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+
+
+def _library_version() -> str:
+    from zero_strategy import __version__
+
+    return __version__
