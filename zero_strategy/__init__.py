@@ -11,11 +11,12 @@ from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.plugins.precision import ZeroPrecision
-from zero_strategy.plugins.strategy import ZeroStrategy
+from zero_strategy.plugins.strategy import ZeroStrategy, install_precision_selection
 
 __version__ = "0.1.0"
 
 ZeroStrategy.register_strategies(StrategyRegistry)
+install_precision_selection()
 
 __all__ = [
     "MemoryReport",

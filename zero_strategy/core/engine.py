@@ -21,9 +21,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.collectives import CommunicationLog, ProcessGroup, all_reduce_sum, broadcast_flat
+from zero_strategy.core.collectives import (
+    CommunicationLog,
+    ProcessGroup,
+    all_gather_object,
+    all_reduce_sum,
+    broadcast_flat,
+)
 from zero_strategy.core.flat_param import DistContext, FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
+from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.optimizer import check_optimizer, param_group_index, repoint_param_groups
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
@@ -47,8 +54,10 @@ class ZeroEngine:
         config: ZeroConfig,
         group: ProcessGroup = None,
         entry_module: nn.Module | None = None,
+        policy: MixedPrecisionPolicy | None = None,
     ) -> None:
-        """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``."""
+        """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``.
+        ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype."""
         self.module = module
         self.optimizers = list(optimizers)
         self.config = config
@@ -61,13 +70,15 @@ class ZeroEngine:
         unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
         keeps_full = not self.stage.reshards_parameters
         self.units = [
-            ZeroUnit(plan, owner, self.ctx, self.comm_log, keeps_full) for plan in plan_units(module, unit_paths)
+            ZeroUnit(plan, owner, self.ctx, self.comm_log, keeps_full, policy)
+            for plan in plan_units(module, unit_paths)
         ]
         self._sync_buffers()
         self._repoint_optimizers()
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward
         )
+        self.hooks.reduce_dtype = policy.reduce_dtype if policy else None
         self.hooks.install()
         if self.stage.reshards_parameters:
             for unit in self.units:
@@ -179,6 +190,34 @@ class ZeroEngine:
         for param in self.master_params(optimizer):
             if param.grad is not None:
                 param.grad.clamp_(-clip_value, clip_value)
+
+    def unscale_and_check_overflow(self, optimizer: Optimizer, inv_scale: float) -> bool:
+        """Multiply the reduced gradients by ``inv_scale`` and tell whether any rank saw an inf/NaN (collective:
+        every rank gets the same answer, so every rank skips together)."""
+        grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
+        found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
+        for grad in grads:
+            if inv_scale != 1.0:
+                grad.mul_(inv_scale)
+            found += (~torch.isfinite(grad)).any().float()
+        return bool(all_reduce_sum(found, self.ctx.group, self.comm_log).item() > 0)
+
+    def first_nonfinite_param(self, optimizer: Optimizer) -> str | None:
+        """The first parameter (in flat order, lowest rank first) whose reduced gradient is not finite. Collective."""
+        local: str | None = None
+        for flat in self._flat_params_of(self.optimizer_index(optimizer)):
+            for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+                if local is None and piece.grad is not None and not bool(torch.isfinite(piece.grad).all()):
+                    bad = int((~torch.isfinite(piece.grad)).nonzero()[0].item()) + offset
+                    local = next(o.name for o in flat.layout.overlaps(self.ctx.rank)
+                                 if o.shard_start <= bad < o.shard_start + o.numel)
+        names = all_gather_object(local, self.ctx.group)
+        return next((name for name in names if name is not None), None)
+
+    def discard_grads(self, optimizer: Optimizer) -> None:
+        """Drop all gradients of ``optimizer``'s parameters (a skipped step changes nothing)."""
+        for flat in self._flat_params_of(self.optimizer_index(optimizer)):
+            flat.discard_grads()
 
     def after_step(self, optimizer: Optimizer) -> None:
         """Propagate the updated slices: stages 1/2 gather them into the full parameters; stage 3 only drops any

@@ -36,6 +36,14 @@ class ShardState(Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class FlatOptions:
+    """How a FlatParam stores its buffers."""
+
+    keeps_full: bool  # stages 1/2: `full` is never freed
+    compute_dtype: torch.dtype | None = None  # dtype of `full` (what forward sees); None: the parameters' own
+
+
+@dataclass(frozen=True, slots=True)
 class DistContext:
     """Where a FlatParam lives: its process group, this rank and the world size."""
 
@@ -64,11 +72,10 @@ class FlatParam:
         group_index_of: dict[int, int] | None,
         ctx: DistContext,
         log: CommunicationLog,
-        keeps_full: bool,
+        options: FlatOptions,
     ) -> None:
         """``group_index_of`` maps ``id(param)`` to its optimizer param group; None for parameters no optimizer
-        updates (frozen, or evaluation without an optimizer). ``keeps_full``: stages 1/2, where ``full`` is
-        never freed."""
+        updates (frozen, or evaluation without an optimizer)."""
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.ctx = ctx
@@ -79,24 +86,29 @@ class FlatParam:
         self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named_params], ctx.world_size)
         self.state = ShardState.UNSHARDED
         self._pending: PendingGather | None = None
-        self._build_buffers(keeps_full)
+        self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
+        self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
         )
 
     # ----------------------------------------------------------------------------------------------- setup
-    def _build_buffers(self, keeps_full: bool) -> None:
+    def _build_buffers(self, options: FlatOptions) -> None:
         first = self.params[0]
+        compute_dtype = options.compute_dtype or first.dtype
         with torch.no_grad():
+            # Built in the parameters' own dtype (fp32): the shard keeps full precision (the master weights).
             full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
             for span, param in zip(self.layout.spans, self.params, strict=True):
                 full[span.offset : span.end].copy_(param.detach().reshape(-1))
             broadcast_flat(full, self.ctx.src_rank, self.ctx.group, self.log)
             start, end = self.layout.shard_range(self.ctx.rank)
-            # The shard may alias its own segment of `full` when `full` is never freed (stages 1/2): that saves
-            # a copy of 1/N of the model. At stage 3 `full`'s storage is released, so the shard owns memory.
-            self.shard_aliases_full = keeps_full
-            self.shard = full[start:end] if keeps_full else full[start:end].clone()
+            # The shard may alias its own segment of `full` when `full` is never freed (stages 1/2) and has the
+            # same dtype: that saves a copy of 1/N of the model. Otherwise the shard owns its memory.
+            self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype
+            self.shard = full[start:end] if self.shard_aliases_full else full[start:end].clone()
+            if compute_dtype != first.dtype:
+                full = full.to(compute_dtype)
         self.full = full
         for span, param in zip(self.layout.spans, self.params, strict=True):
             param.data = full[span.offset : span.end].view(span.shape)
@@ -173,7 +185,27 @@ class FlatParam:
 
     # ------------------------------------------------------------------------------------------ gradients
     def has_pending_grads(self) -> bool:
-        return self.trainable and any(p.grad is not None for p in self.params)
+        return self.trainable and (self.grad_stash is not None or any(p.grad is not None for p in self.params))
+
+    def stash_grad(self, index: int) -> None:
+        """Move parameter ``index``'s gradient into the fp32 stash (stage 1 in low precision accumulates there,
+        not in the compute dtype)."""
+        param = self.params[index]
+        if param.grad is None:
+            return
+        if self.grad_stash is None:
+            self.grad_stash = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.full.device)
+        span = self.layout.spans[index]
+        self.grad_stash[span.offset : span.end].add_(param.grad.reshape(-1))
+        param.grad = None
+
+    def discard_grads(self) -> None:
+        """Drop every gradient of this FlatParam (a skipped step)."""
+        self.grad_stash = None
+        for param in self.params:
+            param.grad = None
+        for piece in self.master_pieces:
+            piece.grad = None
 
     def reduce_grads(self, reduce_dtype: torch.dtype | None = None) -> None:
         """Reduce-scatter the module's gradients and accumulate this rank's slice into the master pieces' grads.
@@ -183,10 +215,13 @@ class FlatParam:
         if not self.has_pending_grads():
             return
         dtype = reduce_dtype or self.full.dtype
-        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+        if self.grad_stash is not None:
+            flat, self.grad_stash = self.grad_stash.to(dtype), None
+        else:
+            flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
         for span, param in zip(self.layout.spans, self.params, strict=True):
             if param.grad is not None:
-                flat[span.offset : span.end].copy_(param.grad.reshape(-1))
+                flat[span.offset : span.end].add_(param.grad.reshape(-1))
                 param.grad = None
         reduced = reduce_scatter_mean(flat, self.ctx.group, self.log)
         del flat

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import TrainingState, ZeroUnit
 
@@ -64,8 +65,23 @@ class RuntimeHooks:
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
                     self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+            else:
+                self._install_grad_stash(unit)
         if not self.stage.reshards_parameters:
             self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_forward_replicated))
+
+    def _install_grad_stash(self, unit: ZeroUnit) -> None:
+        """Stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they are produced,
+        so accumulation over micro-steps happens in fp32, never in bf16/fp16."""
+        for flat in unit.flat_params:
+            if flat.trainable and flat.full.dtype != torch.float32:
+                for index, param in enumerate(flat.params):
+                    hook = partial(self._stash, flat, index)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    @staticmethod
+    def _stash(flat: FlatParam, index: int, param: Tensor) -> None:
+        flat.stash_grad(index)
 
     def remove(self) -> None:
         for handle in self._handles:

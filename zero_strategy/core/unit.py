@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from zero_strategy.core.collectives import CommunicationLog
-from zero_strategy.core.flat_param import DistContext, FlatParam, ShardState
+from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam, ShardState
+from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.sharding import UnitPlan
 
 
@@ -35,24 +36,28 @@ class ZeroUnit:
         ctx: DistContext,
         log: CommunicationLog,
         keeps_full: bool,
+        policy: MixedPrecisionPolicy | None,
     ) -> None:
         self.name = plan.name
         self.module = plan.module
         self.state = TrainingState.IDLE
         self.flat_params: list[FlatParam] = []
         self.optimizer_index: list[int | None] = []  # parallel to flat_params
-        kinds: dict[tuple[torch.dtype, int | None], list[tuple[str, nn.Parameter]]] = {}
+        # kind = (stored dtype, compute dtype, optimizer): one flat buffer each
+        kinds: dict[tuple[torch.dtype, torch.dtype, int | None], list[tuple[str, nn.Parameter]]] = {}
+        keep_fp32 = policy.full_precision_params(plan.module) if policy else set()
         for name, param in plan.named_params:
             optimized = param.requires_grad and id(param) in owner
-            kind = (param.dtype, owner[id(param)][0] if optimized else None)
+            compute = param.dtype if policy is None or id(param) in keep_fp32 else policy.compute_dtype_for(param)
+            kind = (param.dtype, compute, owner[id(param)][0] if optimized else None)
             kinds.setdefault(kind, []).append((name, param))
-        for (_, opt_index), named in kinds.items():
+        for (_, compute, opt_index), named in kinds.items():
             if opt_index is None:
                 group_of = None
             else:
                 named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
-            self.flat_params.append(FlatParam(named, group_of, ctx, log, keeps_full))
+            self.flat_params.append(FlatParam(named, group_of, ctx, log, FlatOptions(keeps_full, compute)))
             self.optimizer_index.append(opt_index)
         self.has_frozen = any(not fp.trainable for fp in self.flat_params)
         self.trainable_params = [p for fp in self.flat_params if fp.trainable for p in fp.params]

@@ -1,39 +1,105 @@
-"""ZeroPrecision: the precision plugin ZeroStrategy always runs with.
+"""ZeroPrecision: the precision plugin ZeroStrategy always runs with (fp32, bf16 or fp16 with loss scaling).
 
-It owns the order of an optimizer step, which ZeRO changes: the closure (forward + backward) runs, the strategy's
-engine makes the reduced gradient slices available, then Lightning's ``on_before_optimizer_step`` and clipping run
-on those slices (clipping by norm sees the global norm), then the user's optimizer steps the slices and the engine
-propagates the new values. It contains no collectives: it calls the engine.
+It owns the order of an optimizer step, which ZeRO changes: the closure (forward + backward) runs; the engine makes
+the reduced gradient slices available; with fp16 they are unscaled and checked for inf/NaN on every rank (one
+scalar all-reduce, so all ranks agree); an overflow skips the step everywhere — no optimizer step, gradients
+dropped, the LR scheduler held back — otherwise Lightning's ``on_before_optimizer_step`` and clipping run on the
+slices (clipping by norm sees the global norm), the optimizer steps the fp32 master slices and the engine
+propagates the new values into the compute-dtype parameters. It contains no collectives: it calls the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
+from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 
-SUPPORTED_PRECISION = ("32-true", "32")
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+}
+ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed"}
+
+
+def normalize_precision(precision: str | int) -> str:
+    name = ALIASES.get(str(precision), str(precision))
+    if name in ("16-true", "bf16-true"):
+        raise ValueError(
+            f"precision={precision!r}: ZeroStrategy keeps fp32 master weights; use "
+            f"'{name.replace('-true', '-mixed')}' for the same memory saving with fp32 masters."
+        )
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"precision={precision!r} is not supported by ZeroStrategy; use one of {sorted(COMPUTE_DTYPES)}."
+        )
+    return name
 
 
 class ZeroPrecision(Precision):
-    """fp32 training with ZeRO: the master slices are the parameters' only fp32 copy."""
+    """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (dynamic loss scaling when ``loss_scale`` is 0).
 
-    def __init__(self, precision: str = "32-true") -> None:
-        if str(precision) not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"ZeroPrecision(precision={precision!r}) is not supported; use '32-true'. "
-                "(fp16/bf16 mixed precision for ZeRO is not implemented yet.)"
-            )
-        self.precision = "32-true"  # type: ignore[assignment]
+    Mixed precision stores the compute-dtype parameters ZeRO gathers and runs forward under autocast; the fp32
+    master slices are the source of truth. Normalization layers compute in fp32.
+    """
+
+    def __init__(
+        self,
+        precision: str | int = "32-true",
+        *,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1.0,
+        reduce_dtype: str | None = None,
+    ) -> None:
+        # The knob names and defaults are DeepSpeed's fp16 block, which users know by heart.
+        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.compute_dtype = COMPUTE_DTYPES[self.precision]
+        self.reduce_dtype = _reduce_dtype(reduce_dtype)
+        config = LossScalerConfig(
+            loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power,
+            loss_scale_window=loss_scale_window,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_loss_scale=min_loss_scale,
+        )
+        self.scaler = DynamicLossScaler(config) if self.compute_dtype == torch.float16 else None
         self._engine: ZeroEngine | None = None
+        self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
+
+    # --------------------------------------------------------------------------------------- what it is
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when not scaling)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler else 0
+
+    def policy(self) -> MixedPrecisionPolicy | None:
+        if self.compute_dtype == torch.float32:
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
 
     def attach(self, engine: ZeroEngine | None) -> None:
         """Called by ZeroStrategy once the model is sharded (None after teardown)."""
@@ -45,6 +111,21 @@ class ZeroPrecision(Precision):
             raise RuntimeError("ZeroPrecision is used before ZeroStrategy sharded the model (setup() not run).")
         return self._engine
 
+    # ----------------------------------------------------------------------------------- forward/backward
+    @override
+    def forward_context(self) -> Any:
+        if self.compute_dtype == torch.float32 or self._engine is None:
+            return nullcontext()
+        device = self._engine.flat_params[0].full.device.type if self._engine.flat_params else "cpu"
+        return torch.autocast(device, dtype=self.compute_dtype)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        return super().pre_backward(tensor, module)
+
+    # -------------------------------------------------------------------------------------- the step
     @override
     def optimizer_step(  # type: ignore[override]
         self,
@@ -56,11 +137,56 @@ class ZeroPrecision(Precision):
         assert isinstance(optimizer, Optimizer)
         closure_result = closure()
         self.engine.prepare_step(optimizer)
+        if self.scaler is not None and self._skip_on_overflow(optimizer, model):
+            return closure_result
         if isinstance(model, LightningModule):
             self._after_closure(model, optimizer)
         result = optimizer.step(**kwargs)
         self.engine.after_step(optimizer)
+        self._skipped_last[id(optimizer)] = False
         return closure_result if result is None else result
+
+    def _skip_on_overflow(self, optimizer: Optimizer, model: LightningModule | nn.Module) -> bool:
+        """Unscale; on an overflow anywhere, drop this step on every rank and move the scale. True if skipped."""
+        assert self.scaler is not None
+        overflow = self.engine.unscale_and_check_overflow(optimizer, 1.0 / self.scaler.scale)
+        step = model.trainer.global_step if isinstance(model, LightningModule) else self.scaler.iteration
+        if overflow:
+            culprit = self.engine.first_nonfinite_param(optimizer)
+            log.debug("fp16 overflow at step %d (loss scale %g): first non-finite gradient in %s",
+                      step, self.scaler.scale, culprit)
+            if self.scaler.would_fail(overflow):
+                raise LossScaleAtMinimumError(
+                    f"fp16 gradients overflowed at step {step} although the loss scale is already at its minimum "
+                    f"({self.scaler.config.min_loss_scale}); first non-finite gradient: {culprit}. Training "
+                    "cannot continue in fp16: use precision='bf16-mixed' (same exponent range as fp32), lower the "
+                    "learning rate, or lower min_loss_scale."
+                )
+            self.engine.discard_grads(optimizer)
+            self._skipped_last[id(optimizer)] = True
+        self.scaler.update(overflow)
+        self._log_scaler(model)
+        return overflow
+
+    def _log_scaler(self, model: LightningModule | nn.Module) -> None:
+        if not isinstance(model, LightningModule) or model._trainer is None:
+            return
+        trainer = model.trainer
+        every = max(1, getattr(trainer, "log_every_n_steps", 1))
+        if trainer.is_global_zero and trainer.loggers and trainer.global_step % every == 0:
+            metrics = {"loss_scale": self.loss_scale, "skipped_steps": float(self.skipped_steps)}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        """Hold back step-interval LR schedulers after a skipped step (torch AMP lets them advance)."""
+        for config in lr_schedulers:
+            scheduler = getattr(config, "scheduler", config)
+            if getattr(config, "interval", "step") == "step" and not getattr(scheduler, "_zero_skip_aware", False):
+                scheduler.step = _skip_aware_step(scheduler, self._skipped_last)
+                scheduler._zero_skip_aware = True
+        return model, optimizers, lr_schedulers
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -69,3 +195,33 @@ class ZeroPrecision(Precision):
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.engine.clip_grad_value_(optimizer, float(clip_val))
+
+    # ----------------------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _skip_aware_step(scheduler: Any, skipped_last: dict[int, bool]) -> Callable[..., Any]:
+    original = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if skipped_last.pop(id(scheduler.optimizer), False):
+            return None  # the optimizer did not step: neither does its schedule
+        return original(*args, **kwargs)
+
+    return step
+
+
+def _reduce_dtype(name: str | None) -> torch.dtype:
+    """Gradients are reduced in fp32 unless asked otherwise (half the bytes in bf16, at some accuracy)."""
+    table = {None: torch.float32, "fp32": torch.float32, "32": torch.float32, "float32": torch.float32,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"reduce_dtype={name!r}: use 'fp32', 'bf16' or 'fp16'")
+    return table[name]

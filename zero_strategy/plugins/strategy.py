@@ -190,7 +190,9 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is not None:  # fit() then test() on one Trainer: start from a plain module again
             self._engine.release()
         entry = _ForwardEntry(module)
-        self._engine = ZeroEngine(module, list(self.optimizers), self.config, group=None, entry_module=entry)
+        self._engine = ZeroEngine(
+            module, list(self.optimizers), self.config, None, entry, self.precision_plugin.policy()
+        )
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
@@ -345,7 +347,31 @@ class ZeroStrategy(ParallelStrategy):
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:
-    """Translate whatever precision plugin Lightning chose into ZeroPrecision, refusing what we cannot honour."""
+    """Translate whatever precision plugin Lightning chose (Precision, MixedPrecision, HalfPrecision) into
+    ZeroPrecision, refusing what we cannot honour with ZeroPrecision's error."""
     if isinstance(plugin, ZeroPrecision):
         return plugin
     return ZeroPrecision(str(getattr(plugin, "precision", "32-true")))
+
+
+def install_precision_selection() -> None:
+    """Make ``Trainer(strategy=<ZeroStrategy>, precision=...)`` build ZeroPrecision from the user's own flag.
+
+    Lightning special-cases only its own sharded strategies (DeepSpeed, FSDP) when it turns the ``precision``
+    flag into a plugin; for any other strategy it builds torch AMP and, on a CPU, silently turns "16-mixed" into
+    "bf16-mixed" before the strategy sees it. We add ZeroStrategy to that special case, so that fp16 really
+    computes in fp16 on a CPU and an unknown precision fails with our message. Idempotent.
+    """
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    original = _AcceleratorConnector._check_and_init_precision
+    if getattr(original, "_zero_strategy", False):
+        return
+
+    def check_and_init_precision(self: _AcceleratorConnector) -> Precision:
+        if isinstance(self.strategy, ZeroStrategy) and not isinstance(self._precision_plugin_flag, Precision):
+            return ZeroPrecision(self._precision_flag)
+        return original(self)
+
+    check_and_init_precision._zero_strategy = True  # type: ignore[attr-defined]
+    _AcceleratorConnector._check_and_init_precision = check_and_init_precision  # type: ignore[method-assign]

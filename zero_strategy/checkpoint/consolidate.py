@@ -1,0 +1,268 @@
+"""Consolidation (``zero-to-fp32``): turn a sharded checkpoint directory into one ordinary file.
+
+The output holds exactly the LightningModule's ``state_dict()`` — same keys, same order, tied weights under each
+of their keys — with parameters in fp32 and buffers in their own dtype. It loads with plain torch / safetensors
+(``.ckpt`` with Lightning's ``load_from_checkpoint``); zero_strategy is not needed to read it.
+
+[Note: streaming consolidation]
+For ``.safetensors`` the tensors are produced one at a time by a generator and written as they come, so the
+process holds one parameter (plus a bounded read chunk) at a time: the peak is near the largest tensor, not the
+model. A parameter is filled from the shards in chunks of at most ``READ_CHUNK_BYTES`` into one preallocated
+fp32 tensor; reading it whole would hold the pieces *and* their concatenation when it spans several ranks' shards.
+The shards are read with ordinary file reads (no mmap), so the pages the kernel caches do not count against the
+process. ``.pt`` / ``.bin`` / ``.ckpt`` are ``torch.save`` d dictionaries and hold the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.safetensors_io import DTYPE_CODES, write_safetensors
+
+SAFETENSORS_SUFFIX = ".safetensors"
+STATE_DICT_SUFFIXES = (".pt", ".bin")
+LIGHTNING_SUFFIX = ".ckpt"
+ACCEPTED_SUFFIXES = (SAFETENSORS_SUFFIX, *STATE_DICT_SUFFIXES, LIGHTNING_SUFFIX)
+PROGRESS_MIN_BYTES = 64 * 2**20
+"""With ``progress=True`` the bar is shown when the parameters total at least this many (fp32) bytes, or when
+stderr is a terminal; small checkpoints in logs and tests stay quiet."""
+READ_CHUNK_BYTES = 2**20
+"""Largest piece of a parameter read from a shard file at once (see [Note: streaming consolidation])."""
+# Trainer-state entries a consolidated ``.ckpt`` leaves out: optimizer and scheduler state (useless without the
+# sharded layout and large) and what zero_strategy itself added.
+_LEFT_OUT_OF_CKPT = ("optimizer_states", "lr_schedulers", BUFFERS_KEY, PARAM_GROUPS_KEY)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One key of the module's state_dict, in order."""
+
+    key: str
+    param: str | None  # canonical parameter name in the checkpoint; None for a buffer (or extra state)
+    shape: list[int]  # parameters only; buffers carry their own shape
+
+
+def consolidate(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    progress: bool = True,
+    weights_only: bool = True,
+) -> Path:
+    """Write the full fp32 state_dict of the sharded ``checkpoint`` directory to ``output`` and return its path.
+
+    The format follows the suffix of ``output``: ``.safetensors`` (streamed, one tensor in memory at a time),
+    ``.pt`` / ``.bin`` (a ``torch.save`` d state_dict) or ``.ckpt`` (a Lightning checkpoint without optimizer and
+    scheduler state, for ``YourModule.load_from_checkpoint``). The file appears atomically (temporary name, then
+    ``os.replace``). ``weights_only=False`` unpickles the trainer state in full: only for checkpoints you trust
+    whose hyper-parameters hold objects. Raises :class:`CheckpointError` for a damaged or incomplete checkpoint and
+    ``ValueError`` for an unsupported suffix.
+    """
+    target = Path(output)
+    suffix = target.suffix.lower()
+    if suffix not in ACCEPTED_SUFFIXES:
+        raise ValueError(
+            f"cannot tell the output format of {target}: its name must end in one of {', '.join(ACCEPTED_SUFFIXES)} "
+            "(safetensors file, torch state_dict, Lightning checkpoint)"
+        )
+    if target.is_dir():
+        raise ValueError(f"{target} is a directory; give the path of the file to write")
+    with ShardedCheckpoint(checkpoint) as ckpt:
+        entries = _entries(ckpt)
+        state = _TrainerState(ckpt, weights_only)
+        bar = _progress_bar(entries, progress)
+        try:
+            if suffix == SAFETENSORS_SUFFIX:
+                _write_safetensors(ckpt, entries, state, target, bar.update)
+            else:
+                state_dict = dict(_values(ckpt, entries, state, bar.update, share_tied=True))
+                content = _lightning_checkpoint(ckpt, state, state_dict) if suffix == LIGHTNING_SUFFIX else state_dict
+                _replace_atomically(target, lambda path: _torch_save_synced(content, path))
+        finally:
+            bar.close()
+    return target
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def _entries(ckpt: ShardedCheckpoint) -> list[_Entry]:
+    entries: list[_Entry] = []
+    for key, kind, name in ckpt.manifest.state_dict_keys:
+        if kind == "param":
+            if name not in ckpt.params:
+                raise CheckpointError(
+                    f"{ckpt.path}: state_dict key {key!r} is parameter {name!r}, which the manifest does not list"
+                )
+            entries.append(_Entry(key, name, list(ckpt.params[name][1].shape)))
+        else:
+            entries.append(_Entry(key, None, []))
+    return entries
+
+
+class _TrainerState:
+    """The trainer state, loaded on first use (a checkpoint without buffers needs it only for ``.ckpt``)."""
+
+    def __init__(self, ckpt: ShardedCheckpoint, weights_only: bool) -> None:
+        self._ckpt = ckpt
+        self._weights_only = weights_only
+        self._state: dict[str, Any] | None = None
+
+    def get(self) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self._ckpt.trainer_state(self._weights_only)
+        return self._state
+
+    def buffer(self, key: str) -> Any:
+        buffers = self.get().get(BUFFERS_KEY, {})
+        if key not in buffers:
+            raise CheckpointError(
+                f"{self._ckpt.path}: buffer {key!r} of the module's state_dict is not in the trainer state"
+            )
+        return buffers[key]
+
+
+def read_param_fp32(ckpt: ShardedCheckpoint, name: str, on_bytes: Callable[[int], object] | None = None) -> Tensor:
+    """Parameter ``name`` as one new fp32 tensor of its shape, filled chunk by chunk from whichever shards hold it
+    (see [Note: streaming consolidation]); ``on_bytes`` is told how many output bytes each chunk produced."""
+    param = ckpt.params[name][1]
+    out = torch.empty(param.numel, dtype=torch.float32)
+    chunk = max(1, READ_CHUNK_BYTES // out.element_size())
+    for start in range(0, param.numel, chunk):
+        count = min(chunk, param.numel - start)
+        out[start : start + count].copy_(ckpt.read_param(name, "flat", start, count))
+        if on_bytes is not None:
+            on_bytes(count * out.element_size())
+    return out.view(param.shape)
+
+
+def _values(
+    ckpt: ShardedCheckpoint,
+    entries: list[_Entry],
+    state: _TrainerState,
+    on_bytes: Callable[[int], object],
+    share_tied: bool,
+) -> Iterator[tuple[str, Any]]:
+    """(key, value) in state_dict order. ``share_tied``: a tied parameter's later keys reuse the first tensor
+    (as the module's own state_dict does) instead of reading it again; this keeps every tied tensor alive, so the
+    streaming writer does not use it."""
+    seen: dict[str, Tensor] = {}
+    for entry in entries:
+        if entry.param is None:
+            yield entry.key, state.buffer(entry.key)
+        elif share_tied and entry.param in seen:
+            on_bytes(seen[entry.param].numel() * 4)
+            yield entry.key, seen[entry.param]
+        else:
+            value = read_param_fp32(ckpt, entry.param, on_bytes)
+            if share_tied:
+                seen[entry.param] = value
+            yield entry.key, value
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _write_safetensors(
+    ckpt: ShardedCheckpoint, entries: list[_Entry], state: _TrainerState, target: Path, on_bytes: Callable
+) -> None:
+    specs: list[tuple[str, torch.dtype, list[int]]] = []
+    for entry in entries:
+        if entry.param is not None:
+            specs.append((entry.key, torch.float32, entry.shape))
+            continue
+        value = state.buffer(entry.key)
+        if not isinstance(value, Tensor) or value.dtype not in DTYPE_CODES:
+            kind = f"a {value.dtype} tensor" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+            raise ValueError(
+                f"state_dict entry {entry.key!r} is {kind}, which a safetensors file cannot hold; "
+                f"consolidate to {' or '.join(STATE_DICT_SUFFIXES)} instead"
+            )
+        specs.append((entry.key, value.dtype, list(value.shape)))
+    tensors = (value for _, value in _values(ckpt, entries, state, on_bytes, share_tied=False))
+    metadata = {"format": "pt", "zero_strategy_checkpoint_id": ckpt.manifest.checkpoint_id}
+    _replace_atomically(target, lambda path: write_safetensors(path, specs, tensors, metadata))
+
+
+def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: _TrainerState, state_dict: dict[str, Any]) -> dict:
+    """Lightning's trainer state (epoch, global_step, loops, hyper-parameters, ...) with the full state_dict."""
+    content = {k: v for k, v in state.get().items() if k not in _LEFT_OUT_OF_CKPT}
+    if "pytorch-lightning_version" not in content:  # a checkpoint written by the core API, not by a Trainer
+        content["pytorch-lightning_version"] = ckpt.manifest.versions.get("lightning") or _installed_lightning()
+    content["state_dict"] = state_dict
+    return content
+
+
+def _installed_lightning() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning")
+    except PackageNotFoundError:
+        return "2.0.0"
+
+
+def _torch_save_synced(content: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(content, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    """Have ``write`` fill a hidden temporary file next to ``target`` (and fsync it), then rename it to
+    ``target``: readers see the previous file or the complete new one, and a failure leaves no stray file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ progress
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(entries: list[_Entry], progress: bool) -> Any:
+    """A tqdm bar over the parameters' fp32 bytes (see PROGRESS_MIN_BYTES), or a silent stand-in."""
+    total = 0
+    for entry in entries:
+        if entry.param is not None:
+            numel = 1
+            for dim in entry.shape:
+                numel *= dim
+            total += 4 * numel
+    if not progress or (total < PROGRESS_MIN_BYTES and not sys.stderr.isatty()):
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="zero-to-fp32", file=sys.stderr)
