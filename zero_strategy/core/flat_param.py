@@ -235,9 +235,15 @@ class FlatParam:
 
     # ------------------------------------------------------------------------------------------- teardown
     def release_to_module(self) -> None:
-        """Give every parameter its own full tensor again (after training: the module works without us)."""
-        self.finish_unshard()
+        """Give every parameter its own full tensor again, gathered from the shards in their own precision (the
+        fp32 masters under mixed precision, not the compute copies): after training the module works without us
+        and holds the weights the optimizer produced."""
+        if self._pending is not None:
+            self.finish_unshard()
+        whole = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        all_gather_flat(whole, self.shard.clone(), self.ctx.group, self.log)
+        self.shard = self.shard.clone()  # it may be a view of `full`, which is dropped below
         with torch.no_grad():
             for span, param in zip(self.layout.spans, self.params, strict=True):
-                param.data = self.full[span.offset : span.end].view(span.shape).clone()
+                param.data = whole[span.offset : span.end].view(span.shape).clone()
         self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
