@@ -40,7 +40,8 @@ def test_hysteresis_refills_only_at_growth_by_default() -> None:
 
 
 def test_consecutive_hysteresis_refills_on_every_clean_step() -> None:
-    seq = scales_after([1, 0, 1], initial_scale_power=4, hysteresis=2, loss_scale_window=100, consecutive_hysteresis=True)
+    knobs = {"initial_scale_power": 4, "hysteresis": 2, "loss_scale_window": 100, "consecutive_hysteresis": True}
+    seq = scales_after([1, 0, 1], **knobs)
     assert seq == [16, 16, 16]
 
 
