@@ -7,7 +7,16 @@ Enums rather than ``Literal`` because OmegaConf rejects ``Literal`` in structure
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
+
+
+class OffloadDevice(str, Enum):
+    """Where sharded state lives between uses: on the compute device, in host memory, or in files."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
 
 
 class ZeroConfigError(ValueError):
@@ -41,6 +50,30 @@ class ZeroConfig:
     process_group_timeout_s: float = 1800.0
     """Seconds a collective may wait before the process group gives up (torch's default is 30 minutes)."""
 
+    offload_optimizer: OffloadDevice = OffloadDevice.NONE
+    """Where the fp32 master slices, their gradients and the optimizer state live: "none" (compute device),
+    "cpu" (host memory; the optimizer steps on the CPU) or "nvme" (files under nvme_path, stepped in chunks)."""
+
+    offload_param: OffloadDevice = OffloadDevice.NONE
+    """Stage 3: where the parameter slices wait between gathers: "none" (compute device), "cpu" or "nvme"
+    (requires offload_optimizer="nvme": the slices are read from the master files)."""
+
+    nvme_path: str | None = None
+    """Directory for "nvme" offload files (a fast local disk); a per-run folder inside it is removed at teardown."""
+
+    pin_memory: bool = True
+    """Pin host buffers when the compute device is a GPU (faster, asynchronous copies)."""
+
+    nvme_chunk_numel: int = 16 * 1024 * 1024
+    """"nvme": elements per optimizer-step chunk; resident memory of the step is bounded by a few chunks."""
+
+    activation_checkpointing: list[str] = field(default_factory=list)
+    """Class names of modules whose forward is recomputed in backward instead of keeping its activations
+    (non-reentrant torch checkpointing). ZeroStrategy also accepts classes or a policy callable."""
+
+    cpu_checkpointing: bool = False
+    """With activation checkpointing on a GPU, keep the checkpointed inputs in host memory."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ZeroConfigError(
@@ -53,10 +86,32 @@ class ZeroConfig:
             )
         if self.min_unit_numel < 1:
             raise ZeroConfigError(f"min_unit_numel={self.min_unit_numel!r} must be a positive element count.")
+        self._validate_offload()
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."
             )
+
+    def _validate_offload(self) -> None:
+        for key in ("offload_optimizer", "offload_param"):
+            value = getattr(self, key)
+            try:
+                setattr(self, key, OffloadDevice(value.value if isinstance(value, OffloadDevice) else value))
+            except ValueError:
+                raise ZeroConfigError(f"{key}={value!r}: use 'none', 'cpu' or 'nvme'.") from None
+        if self.offload_param is not OffloadDevice.NONE and self.stage != 3:
+            raise ZeroConfigError(
+                f"offload_param={self.offload_param.value!r} needs stage=3 (stages 1/2 keep full parameters on "
+                "every rank); use stage=3 or offload_optimizer instead."
+            )
+        if OffloadDevice.NVME in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ZeroConfigError('"nvme" offload needs nvme_path=<a directory on a fast local disk>.')
+        if self.offload_param is OffloadDevice.NVME and self.offload_optimizer is not OffloadDevice.NVME:
+            raise ZeroConfigError(
+                'offload_param="nvme" reads parameter slices from the master files: set offload_optimizer="nvme" too.'
+            )
+        if self.nvme_chunk_numel < 1024:
+            raise ZeroConfigError(f"nvme_chunk_numel={self.nvme_chunk_numel} is too small; use at least 1024.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

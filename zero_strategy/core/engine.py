@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,11 @@ from zero_strategy.core.collectives import (
 from zero_strategy.core.flat_param import DistContext, FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.offload import chunked_step, make_placement
 from zero_strategy.core.optimizer import check_optimizer, param_group_index, repoint_param_groups
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.unit import ZeroUnit
+from zero_strategy.core.unit import UnitOptions, ZeroUnit
 
 
 def _dist_context(group: ProcessGroup) -> DistContext:
@@ -68,11 +70,10 @@ class ZeroEngine:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         owner = param_group_index(self.optimizers)
         unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
-        keeps_full = not self.stage.reshards_parameters
-        self.units = [
-            ZeroUnit(plan, owner, self.ctx, self.comm_log, keeps_full, policy)
-            for plan in plan_units(module, unit_paths)
-        ]
+        plans = plan_units(module, unit_paths)
+        self.placement = make_placement(config, module, plans, self.ctx.rank)
+        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement)
+        self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
         self._sync_buffers()
         self._repoint_optimizers()
         self.hooks = RuntimeHooks(
@@ -219,11 +220,19 @@ class ZeroEngine:
         for flat in self._flat_params_of(self.optimizer_index(optimizer)):
             flat.discard_grads()
 
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step the user's optimizer on the master slices (in chunks when they live in files)."""
+        if self.placement is not None and self.placement.store is not None:
+            chunked_step(optimizer, self.config.nvme_chunk_numel, self.placement.store)
+            return None
+        return optimizer.step(**kwargs)
+
     def after_step(self, optimizer: Optimizer) -> None:
         """Propagate the updated slices: stages 1/2 gather them into the full parameters; stage 3 only drops any
         gathered copy so the next forward gathers the new values."""
         index = self.optimizer_index(optimizer)
         for flat in self._flat_params_of(index):
+            flat.refresh_device_source()
             if self.stage.reshards_parameters:
                 flat.reshard()
             else:
@@ -249,3 +258,5 @@ class ZeroEngine:
             for param in flat.params:
                 param.grad = None
             flat.release_to_module()
+        if self.placement is not None and self.placement.store is not None:
+            self.placement.store.close()

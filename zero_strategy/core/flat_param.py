@@ -26,6 +26,7 @@ from zero_strategy.core.collectives import (
     reduce_scatter_mean,
 )
 from zero_strategy.core.layout import FlatLayout
+from zero_strategy.core.offload import Placement
 
 
 class ShardState(Enum):
@@ -41,6 +42,7 @@ class FlatOptions:
 
     keeps_full: bool  # stages 1/2: `full` is never freed
     compute_dtype: torch.dtype | None = None  # dtype of `full` (what forward sees); None: the parameters' own
+    placement: Placement | None = None  # offload: where the shard lives; None: next to `full`
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +107,22 @@ class FlatParam:
             start, end = self.layout.shard_range(self.ctx.rank)
             # The shard may alias its own segment of `full` when `full` is never freed (stages 1/2) and has the
             # same dtype: that saves a copy of 1/N of the model. Otherwise the shard owns its memory.
-            self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype
-            self.shard = full[start:end] if self.shard_aliases_full else full[start:end].clone()
+            placement = options.placement
+            self.placement = placement
+            self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype and placement is None
+            if placement is not None:  # offloaded: the shard lives in host memory or a file
+                self.shard = placement.shard_buffer(f"shard-{id(self)}", end - start, first.dtype)
+                self.shard.copy_(full[start:end])
+            else:
+                self.shard = full[start:end] if self.shard_aliases_full else full[start:end].clone()
             if compute_dtype != first.dtype:
                 full = full.to(compute_dtype)
         self.full = full
+        # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
+        # a gather needs no host-to-device copy (refreshed after every step).
+        self._device_source: Tensor | None = None
+        if placement is not None and placement.keeps_device_gather_source and self.shard.device != full.device:
+            self._device_source = self.shard.to(device=full.device, dtype=full.dtype)
         for span, param in zip(self.layout.spans, self.params, strict=True):
             param.data = full[span.offset : span.end].view(span.shape)
 
@@ -151,8 +164,7 @@ class FlatParam:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
-        source = self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
-        self._pending = all_gather_flat(self.full, source, self.ctx.group, self.log, async_op=True)
+        self._pending = all_gather_flat(self.full, self._gather_source(), self.ctx.group, self.log, async_op=True)
 
     def finish_unshard(self) -> None:
         """Wait for the gather started by :meth:`start_unshard`; afterwards the module's parameters are usable."""
@@ -164,6 +176,8 @@ class FlatParam:
         self._pending.wait()
         self._pending = None
         self.state = ShardState.UNSHARDED
+        if self.placement is not None:
+            self.placement.after_host_read()
 
     def reshard(self) -> None:
         """Free ``full``'s storage; the module's parameter views keep their shapes but hold no memory."""
@@ -180,8 +194,21 @@ class FlatParam:
         """Stage 1/2: after an optimizer step, rebuild the (always allocated) ``full`` from the updated shards."""
         assert self.state is ShardState.UNSHARDED
         # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
-        source = self.shard.clone() if self.shard_aliases_full else self.shard.to(self.full.dtype)
+        source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
         all_gather_flat(self.full, source, self.ctx.group, self.log)
+        if self.placement is not None:
+            self.placement.after_host_read()
+
+    def _gather_source(self) -> Tensor:
+        """This rank's slice in the compute dtype, on the compute device."""
+        if self._device_source is not None:
+            return self._device_source
+        return self.shard.to(device=self.full.device, dtype=self.full.dtype)
+
+    def refresh_device_source(self) -> None:
+        """After a step on offloaded masters: update the device-side compute copy."""
+        if self._device_source is not None:
+            self._device_source.copy_(self.shard)
 
     # ------------------------------------------------------------------------------------------ gradients
     def has_pending_grads(self) -> bool:
@@ -228,10 +255,10 @@ class FlatParam:
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
             if piece.grad is None:
-                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32)
-                piece.grad = chunk.to(piece.dtype, copy=True)
+                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32), where the masters are
+                piece.grad = chunk.to(device=piece.device, dtype=piece.dtype, copy=True)
             else:
-                piece.grad.add_(chunk)
+                piece.grad.add_(chunk.to(piece.device))
 
     # ------------------------------------------------------------------------------------------- teardown
     def release_to_module(self) -> None:
@@ -240,9 +267,9 @@ class FlatParam:
         and holds the weights the optimizer produced."""
         if self._pending is not None:
             self.finish_unshard()
-        whole = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        all_gather_flat(whole, self.shard.clone(), self.ctx.group, self.log)
-        self.shard = self.shard.clone()  # it may be a view of `full`, which is dropped below
+        whole = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.full.device)
+        all_gather_flat(whole, self.shard.to(self.full.device, copy=True), self.ctx.group, self.log)
+        self.shard = self.shard.clone()  # it may be a view of `full` or of a file, both dropped below
         with torch.no_grad():
             for span, param in zip(self.layout.spans, self.params, strict=True):
                 param.data = whole[span.offset : span.end].view(span.shape).clone()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -10,7 +11,17 @@ from torch import nn
 from zero_strategy.core.collectives import CommunicationLog
 from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam, ShardState
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.offload import Placement
 from zero_strategy.core.sharding import UnitPlan
+
+
+@dataclass(frozen=True, slots=True)
+class UnitOptions:
+    """How every FlatParam of a unit is stored."""
+
+    keeps_full: bool  # stages 1/2
+    policy: MixedPrecisionPolicy | None  # mixed precision, or None
+    placement: Placement | None  # offload, or None
 
 
 class TrainingState(Enum):
@@ -35,8 +46,7 @@ class ZeroUnit:
         owner: dict[int, tuple[int, int]],
         ctx: DistContext,
         log: CommunicationLog,
-        keeps_full: bool,
-        policy: MixedPrecisionPolicy | None,
+        options: UnitOptions,
     ) -> None:
         self.name = plan.name
         self.module = plan.module
@@ -45,6 +55,7 @@ class ZeroUnit:
         self.optimizer_index: list[int | None] = []  # parallel to flat_params
         # kind = (stored dtype, compute dtype, optimizer): one flat buffer each
         kinds: dict[tuple[torch.dtype, torch.dtype, int | None], list[tuple[str, nn.Parameter]]] = {}
+        policy = options.policy
         keep_fp32 = policy.full_precision_params(plan.module) if policy else set()
         for name, param in plan.named_params:
             optimized = param.requires_grad and id(param) in owner
@@ -57,7 +68,8 @@ class ZeroUnit:
             else:
                 named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
-            self.flat_params.append(FlatParam(named, group_of, ctx, log, FlatOptions(keeps_full, compute)))
+            flat_options = FlatOptions(options.keeps_full, compute, options.placement)
+            self.flat_params.append(FlatParam(named, group_of, ctx, log, flat_options))
             self.optimizer_index.append(opt_index)
         self.has_frozen = any(not fp.trainable for fp in self.flat_params)
         self.trainable_params = [p for fp in self.flat_params if fp.trainable for p in fp.params]

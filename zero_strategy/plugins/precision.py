@@ -141,7 +141,7 @@ class ZeroPrecision(Precision):
             return closure_result
         if isinstance(model, LightningModule):
             self._after_closure(model, optimizer)
-        result = optimizer.step(**kwargs)
+        result = self.engine.step(optimizer, **kwargs)
         self.engine.after_step(optimizer)
         self._skipped_last[id(optimizer)] = False
         return closure_result if result is None else result

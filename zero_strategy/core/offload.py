@@ -1,0 +1,214 @@
+"""Where sharded state lives: the compute device, host memory, or memory-mapped files ("nvme").
+
+[Note: nvme offload]
+Each file-backed tensor is a shared memory mapping of its own file, created by torch on top of Python's ``mmap``.
+Writes land in the OS page cache and reach the file without copies; after each use (a chunk of the optimizer step,
+a gather) the mapping's pages are released with ``madvise(MADV_DONTNEED)`` so they stop counting as this
+process's resident memory. The optimizer therefore steps in chunks (see :func:`chunked_step`): resident memory of
+a step is a few chunks, not the whole optimizer state.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from zero_strategy.config import OffloadDevice, ZeroConfig
+from zero_strategy.core.sharding import UnitPlan
+
+
+class OffloadError(RuntimeError):
+    """Offload cannot work as configured (unwritable path, too little space): raised before training."""
+
+
+class NvmeStore:
+    """File-backed 1-D tensors in a private folder under ``root``; :meth:`close` deletes the folder."""
+
+    def __init__(self, root: str | os.PathLike, rank: int) -> None:
+        base = Path(root)
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            self.folder = base / f"zero-offload-rank{rank}-{uuid.uuid4().hex[:8]}"
+            self.folder.mkdir()
+            probe = self.folder / ".probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as error:
+            raise OffloadError(f"nvme_path={str(base)!r} is not a writable directory: {error}") from error
+        self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict[int, str] = {}  # id(tensor) -> file name, for page release
+
+    @staticmethod
+    def check_space(root: str | os.PathLike, needed_bytes: int) -> None:
+        free = shutil.disk_usage(Path(root) if Path(root).exists() else Path(root).parent).free
+        if free < needed_bytes * 1.05:
+            raise OffloadError(
+                f"nvme_path={str(root)!r} has {free / 2**30:.2f} GiB free but this rank needs about "
+                f"{needed_bytes / 2**30:.2f} GiB for offloaded state; free space or choose another path."
+            )
+
+    def tensor(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
+        """A zero-filled tensor backed by the file ``name`` (created here)."""
+        nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+        path = self.folder / name
+        with open(path, "wb") as handle:
+            handle.truncate(nbytes)  # sparse file: zeros without writing them
+        with open(path, "r+b") as handle:
+            mapping = mmap.mmap(handle.fileno(), nbytes, access=mmap.ACCESS_WRITE)
+        self._maps[name] = mapping
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
+        self._tensors[id(tensor)] = name
+        return tensor
+
+    def release_pages(self) -> None:
+        """Drop every mapping's pages from this process's resident set (the data stays in the files)."""
+        for mapping in self._maps.values():
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self._maps.clear()  # mappings close when the last tensor viewing them is gone
+        self._tensors.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass(slots=True)
+class Placement:
+    """Allocates the per-rank sharded buffers where the offload settings say."""
+
+    optimizer: OffloadDevice
+    param: OffloadDevice
+    compute_device: torch.device
+    pin_memory: bool
+    store: NvmeStore | None
+
+    @property
+    def host_shards(self) -> bool:
+        return self.optimizer is not OffloadDevice.NONE
+
+    @property
+    def keeps_device_gather_source(self) -> bool:
+        """Stage 3 with offloaded masters but parameters on the device: keep a compute-dtype copy there."""
+        return self.host_shards and self.param is OffloadDevice.NONE
+
+    def after_host_read(self) -> None:
+        """A gather read the file-backed slices: let their pages go (see [Note: nvme offload])."""
+        if self.store is not None:
+            self.store.release_pages()
+
+    def shard_buffer(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
+        if self.optimizer is OffloadDevice.NVME:
+            assert self.store is not None
+            return self.store.tensor(name, numel, dtype)
+        if self.optimizer is OffloadDevice.CPU:
+            pin = self.pin_memory and self.compute_device.type == "cuda"
+            return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
+        return torch.zeros(numel, dtype=dtype, device=self.compute_device)
+
+
+def _is_elementwise(value: object, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def chunked_step(optimizer: Optimizer, chunk_numel: int, store: NvmeStore) -> None:
+    """Run ``optimizer.step()`` over its master pieces, at most ``chunk_numel`` elements per call.
+
+    Each call hands the optimizer views of a few chunks of pieces (and views of their states), so the update is
+    exactly the whole-tensor one for element-wise optimizers, and only those chunks' pages are resident before
+    they are released again. New state tensors (first step) are moved into files; scalar state (Adam's ``step``)
+    advances once per step, not once per chunk.
+    """
+    pieces = [list(group["params"]) for group in optimizer.param_groups]
+    saved = optimizer.state
+    # Each chunk starts from the state as it was before this step (a piece's first step starts from nothing);
+    # element-wise tensors in it are file-backed and updated in place through their chunk views.
+    before = {piece: dict(saved[piece]) for group in pieces for piece in group if piece in saved}
+    scalars: dict[Tensor, dict[str, object]] = {}
+    try:
+        for round_chunks in _pack_chunks(pieces, chunk_numel):
+            state_views: dict[Tensor, dict[str, object]] = {}
+            owners: list[tuple[nn.Parameter, nn.Parameter, int]] = []
+            for group in optimizer.param_groups:
+                group["params"] = []
+            for group_index, piece, lo, hi in round_chunks:
+                view = nn.Parameter(piece.data[lo:hi])
+                view.grad = piece.grad[lo:hi] if piece.grad is not None else None
+                old = before.get(piece, {})
+                state_views[view] = {k: (v[lo:hi] if _is_elementwise(v, piece) else _copy(v)) for k, v in old.items()}
+                optimizer.param_groups[group_index]["params"].append(view)
+                owners.append((piece, view, lo))
+            optimizer.state = defaultdict(dict, state_views)
+            optimizer.step()
+            for piece, view, start in owners:
+                _store_chunk_state(saved, piece, optimizer.state[view], start, store, scalars)
+            store.release_pages()
+    finally:
+        optimizer.state = saved
+        for group, group_pieces in zip(optimizer.param_groups, pieces, strict=True):
+            group["params"] = group_pieces
+    for piece, values in scalars.items():
+        saved[piece].update(values)
+
+
+def _pack_chunks(pieces: list[list[nn.Parameter]], chunk_numel: int) -> list[list[tuple[int, nn.Parameter, int, int]]]:
+    """(group, piece, start, end) chunks of every piece with a gradient, packed into rounds of at most
+    ``chunk_numel`` elements."""
+    rounds: list[list[tuple[int, nn.Parameter, int, int]]] = [[]]
+    filled = 0
+    for group_index, group in enumerate(pieces):
+        for piece in group:
+            if piece.grad is None:
+                continue
+            for lo in range(0, piece.numel(), chunk_numel):
+                hi = min(lo + chunk_numel, piece.numel())
+                if filled + hi - lo > chunk_numel and rounds[-1]:
+                    rounds.append([])
+                    filled = 0
+                rounds[-1].append((group_index, piece, lo, hi))
+                filled += hi - lo
+    return [r for r in rounds if r]
+
+
+def _copy(value: object) -> object:
+    return value.clone() if isinstance(value, Tensor) else value
+
+
+def _store_chunk_state(
+    saved: dict, piece: nn.Parameter, new: dict[str, object], start: int, store: NvmeStore, scalars: dict
+) -> None:
+    """Write one chunk's updated state back into the piece's file-backed state."""
+    state = saved.setdefault(piece, {})
+    for key, value in new.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            if key not in state:
+                state[key] = store.tensor(f"state-{id(piece)}-{key}", piece.numel(), value.dtype).view_as(piece)
+            target = state[key].reshape(-1)[start : start + value.numel()]
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value.reshape(-1))
+        elif start == 0:  # scalar state: every chunk advanced its own copy; keep the first chunk's
+            scalars.setdefault(piece, {})[key] = value
+
+
+
+def make_placement(config: ZeroConfig, module: nn.Module, plans: list[UnitPlan], rank: int) -> Placement | None:
+    """The offload placement for this run, or None; checks the nvme path's space before anything is written."""
+    if config.offload_optimizer is OffloadDevice.NONE and config.offload_param is OffloadDevice.NONE:
+        return None
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    store = None
+    if OffloadDevice.NVME in (config.offload_optimizer, config.offload_param):
+        assert config.nvme_path is not None
+        numel = sum(p.numel() for plan in plans for _, p in plan.named_params)
+        # this rank's masters (1/N of the model) plus up to three state tensors of the same size (Adam has two)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        NvmeStore.check_space(config.nvme_path, 4 * 4 * numel // world)
+        store = NvmeStore(config.nvme_path, rank)
+    return Placement(config.offload_optimizer, config.offload_param, device, config.pin_memory, store)
