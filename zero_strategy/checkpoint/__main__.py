@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (CheckpointError, ValueError) as error:
         message = " ".join(str(error).split())  # one line, whatever the message's own line breaks
+        if isinstance(error, CheckpointError) and "weights_only=True" in message:
+            message += " With zero-to-fp32: --unsafe-trainer-state."
         print(f"zero-to-fp32: error: {message}", file=sys.stderr)
         return EXIT_BAD_CHECKPOINT
     except OSError as error:  # the output could not be written (permissions, disk full, ...)

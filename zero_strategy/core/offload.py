@@ -154,8 +154,8 @@ def chunked_step(optimizer: Optimizer, chunk_numel: int, store: NvmeStore) -> No
         optimizer.state = saved
         for group, group_pieces in zip(optimizer.param_groups, pieces, strict=True):
             group["params"] = group_pieces
-    for piece, values in scalars.items():
-        saved[piece].update(values)
+    for owner, values in scalars.items():
+        saved[owner].update(values)
 
 
 def _pack_chunks(pieces: list[list[nn.Parameter]], chunk_numel: int) -> list[list[tuple[int, nn.Parameter, int, int]]]:

@@ -3,9 +3,11 @@ except Lightning's own object broadcast/barrier plumbing."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +36,11 @@ from typing_extensions import override
 
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.activation_checkpointing import (
+    apply_activation_checkpointing,
+    make_policy,
+    remove_activation_checkpointing,
+)
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
@@ -78,6 +85,12 @@ class ZeroStrategy(ParallelStrategy):
         # Lightning's plumbing arguments are kept by name for compatibility with its connectors.
         if config is not None and options:
             raise ValueError(f"pass ZeRO options either as config= or as keywords, not both (got {sorted(options)})")
+        # activation_checkpointing may be module classes or a policy callable (not config-file material): keep
+        # those here, and class names in the config.
+        checkpointing = options.pop("activation_checkpointing", None)
+        if isinstance(checkpointing, (list, tuple)) and all(isinstance(item, str) for item in checkpointing):
+            options["activation_checkpointing"] = list(checkpointing)
+            checkpointing = None
         if config is None:
             config = ZeroConfig.from_kwargs(**({"stage": stage} if stage is not None else {}), **options)
         elif stage is not None and stage != config.stage:
@@ -92,6 +105,8 @@ class ZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.config = config
+        spec = checkpointing if checkpointing is not None else config.activation_checkpointing
+        self._checkpoint_policy = make_policy(spec)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -189,6 +204,8 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         if self._engine is not None:  # fit() then test() on one Trainer: start from a plain module again
             self._engine.release()
+        if self._checkpoint_policy is not None:
+            apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
         entry = _ForwardEntry(module)
         self._engine = ZeroEngine(
             module, list(self.optimizers), self.config, None, entry, self.precision_plugin.policy()
@@ -213,6 +230,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is not None:
             self._engine.release()  # the LightningModule holds full, up-to-date parameters again
             self._engine = None
+            if self.lightning_module is not None:
+                remove_activation_checkpointing(self.lightning_module)
             self.precision_plugin.attach(None)
             self.checkpoint_io.attach(None, str(self.precision_plugin.precision))
             self.checkpoint_io.close()
@@ -332,17 +351,26 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
+        offload_dir = str(Path(tempfile.gettempdir()) / "zero_strategy_offload")
+        variants: list[tuple[str, int, dict[str, Any]]] = [(f"zero{stage}", stage, {}) for stage in (1, 2, 3)]
+        variants += [
+            ("zero2_offload", 2, {"offload_optimizer": "cpu"}),
+            ("zero3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+            # the registered nvme variant writes under the temp dir; pass nvme_path= for a fast local disk
+            ("zero3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": offload_dir}),
+        ]
+        for base, stage, extra in variants:
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
-                name = f"zero{stage}{suffix}"
+                name = f"{base}{suffix}"
                 if name in strategy_registry:
                     continue
                 strategy_registry.register(
                     name,
                     cls,
-                    description=f"ZeRO stage {stage} sharded data parallel ({start_method} launcher)",
+                    description=f"ZeRO stage {stage} {extra or ''} ({start_method} launcher)",
                     stage=stage,
                     start_method=start_method,
+                    **extra,
                 )
 
 

@@ -1,0 +1,499 @@
+"""``python -m zero_strategy.tools.benchmark``: step time, model-state memory, traffic and peak RSS of ZeRO vs DDP.
+
+One GPT-style model (:mod:`zero_strategy.tools.bench_model`) is trained on the same random tokens by every method
+on ``--world-size`` CPU ranks (gloo, one intra-op thread per rank). ZeRO runs at core level (``ZeroEngine``, no
+Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone.
+
+[Note: what is measured, and how]  (the printed ``MEASUREMENT_NOTES`` give the definitions)
+- ``for rep: for method:``, each run in fresh forked processes: the machine's speed drifts between repetitions
+  (only ratios inside one run mean anything), and a fresh process has a clean allocator and its own peak RSS.
+- Model state is taken after the last backward, when the optimizer state of earlier steps exists and this step's
+  gradients are wherever the method keeps them until the step (stage 1: full; stage 2/3: the slice).
+- An all-reduce counts twice its buffer (a reduce-scatter plus an all-gather), so every method compares with the
+  ZeRO paper's 2Ψ / 3Ψ. For ZeRO the ``torch.distributed`` wrappers count too, as a cross-check of the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.memory import memory_report
+from zero_strategy.testing import run_ranks
+from zero_strategy.tools.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
+
+METHODS = ["ddp", "zero1", "zero2", "zero3", "zero_redundancy", "fsdp2_reshard_false", "fsdp2_reshard_true"]
+LEARNING_RATE = 1e-3
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchOptions:
+    """What one benchmark run does (the CLI's flags)."""
+
+    params: str = "5m"
+    """Model size preset: one of ``PRESETS``."""
+    reps: int = 3
+    """Repetitions; every method runs once per repetition, methods interleaved."""
+    steps: int = 5
+    """Timed optimizer steps per (repetition, method)."""
+    warmup: int = 2
+    """Untimed steps before them (at least 1, so the optimizer state exists when memory is measured)."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Which methods, in this order."""
+    world_size: int = 2
+    """Number of CPU ranks."""
+    batch: int | None = None
+    """Sequences per rank per step; None: the preset's."""
+    seq: int | None = None
+    """Tokens per sequence; None: the preset's."""
+
+    def __post_init__(self) -> None:
+        if self.params not in PRESETS:
+            raise ValueError(f"--params {self.params!r}: choose one of {sorted(PRESETS)}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+        if self.reps < 1 or self.steps < 1 or self.warmup < 1 or self.world_size < 1:
+            raise ValueError("--reps, --steps, --warmup and --world-size must be at least 1")
+        shape = PRESETS[self.params]
+        self.batch = self.batch or shape.batch
+        self.seq = self.seq or shape.seq
+        if self.seq > shape.max_seq:
+            raise ValueError(f"--seq {self.seq} exceeds the preset's position table ({shape.max_seq})")
+
+
+SizeOf = Callable[[tuple[Any, ...], dict[str, Any]], int]
+
+
+class CollectiveCounter:
+    """Bytes per collective kind, recorded by the DDP comm hook and by wrappers around ``torch.distributed``."""
+
+    # function → (kind, bytes it moves under the engine's convention, from its args and kwargs)
+    _WRAPPED: ClassVar[dict[str, tuple[str, SizeOf]]] = {
+        "all_reduce": ("all_reduce", lambda a, k: 2 * _nbytes(a[0] if a else k["tensor"])),
+        "broadcast": ("broadcast", lambda a, k: _nbytes(a[0] if a else k["tensor"])),
+        "all_gather_single": ("all_gather", lambda a, k: _nbytes(a[0] if a else k["output_tensor"])),
+        "all_gather_into_tensor": ("all_gather", lambda a, k: _nbytes(a[0] if a else k["output_tensor"])),
+        "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
+        "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
+    }
+
+    def __init__(self) -> None:
+        self.bytes_by_kind: dict[str, int] = defaultdict(int)
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._depth = 0  # a wrapped function calling another wrapped one is counted once
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.bytes_by_kind[kind] += nbytes
+
+    def install(self) -> None:
+        """Wrap the functions in this (forked, per-run) process only."""
+        for name, (kind, size_of) in self._WRAPPED.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(dist, name, self._wrap(original, kind, size_of))
+
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, original: Callable[..., Any], kind: str, size_of: SizeOf) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                self.record(kind, size_of(args, kwargs))
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def counting_allreduce_hook(counter: CollectiveCounter, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP's default averaging all-reduce, recording each bucket first. It calls the process group directly, so the
+    ``dist.all_reduce`` wrapper does not count the same bucket again."""
+    buffer = bucket.buffer()
+    counter.record("all_reduce", 2 * _nbytes(buffer))
+    group = dist.group.WORLD
+    assert group is not None
+    buffer.div_(group.size())
+    return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP compares the hook's annotations with the classes themselves; `from __future__ import annotations` made them
+# strings, which it rejects.
+counting_allreduce_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})
+
+
+@dataclass(slots=True)
+class MethodRun:
+    """One method set up on one rank: what forward calls, what steps, and where its state lives."""
+
+    forward_module: nn.Module  # the wrapper a step's forward goes through (DDP, or the module itself)
+    module: nn.Module  # the user's module (its parameters are walked)
+    optimizer: Optimizer  # zero_grad goes here
+    step: Callable[[], object]  # everything after backward: the optimizer step and the method's communication
+    state_optimizer: Optimizer  # whose .state holds the optimizer state (ZeroRedundancyOptimizer: its local one)
+    engine: ZeroEngine | None = None
+
+
+def _build_ddp(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Gradients as views of DDP's buckets: otherwise the buckets are a second full gradient (20Ψ, not 16Ψ) that
+    # no walk of `.grad` sees.
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
+
+
+def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+
+    def step() -> None:
+        engine.prepare_step(optimizer)
+        optimizer.step()
+        engine.after_step(optimizer)
+
+    return MethodRun(model, model, optimizer, step, optimizer, engine)
+
+
+def _build_zero_redundancy(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = _build_ddp(model, counter).forward_module
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer.optim)
+
+
+def _build_fsdp2(reshard_after_forward: bool, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    assert isinstance(model, BenchGPT)
+    for block in model.blocks:  # the same units as ZeRO's: one per block, the rest in the root
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    return MethodRun(model, model, optimizer, optimizer.step, optimizer)
+
+
+BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    "ddp": _build_ddp,
+    "zero1": functools.partial(_build_zero, 1),
+    "zero2": functools.partial(_build_zero, 2),
+    "zero3": functools.partial(_build_zero, 3),
+    "zero_redundancy": _build_zero_redundancy,
+    "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
+    "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
+}
+
+
+def theory_state_bytes(method: str, psi: int, world: int) -> float:
+    """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
+    if method in ("zero1", "zero_redundancy"):
+        return 4 * psi + 4 * psi + 8 * psi / world
+    if method == "zero2":
+        return 4 * psi + 12 * psi / world
+    if method == "ddp":
+        return 16 * psi
+    return 16 * psi / world  # zero3, fsdp2
+
+
+def theory_comm_bytes(method: str, psi: int) -> int:
+    """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
+    ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
+    three = method in ("zero3", "zero_redundancy", "fsdp2_reshard_true")
+    return (3 if three else 2) * psi * 4  # fp32
+
+
+def _distinct_bytes(tensors: list[Tensor], seen: set[int]) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes on this rank, each storage counted once, first where met."""
+    params: dict[int, Tensor] = {id(p): p for p in run.module.parameters()}
+    for group in run.optimizer.param_groups:
+        params.update((id(p), p) for p in group["params"])
+    seen: set[int] = set()
+    with torch.no_grad():
+        param_bytes = _distinct_bytes(list(params.values()), seen)
+        grad_bytes = _distinct_bytes([p.grad for p in params.values() if p.grad is not None], seen)
+        states = [v for s in run.state_optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        return param_bytes, grad_bytes, _distinct_bytes(states, seen)
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} missing from /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Make ``VmHWM`` start again from the current RSS; return that RSS (the baseline)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: CollectiveCounter) -> dict[str, Any]:
+    times: list[float] = []
+    losses: list[float] = []
+    memory: dict[str, Any] = {}
+    for index, tokens in enumerate(batches):
+        if index == warmup:  # traffic counts from the first timed step
+            dist.barrier()
+            counter.bytes_by_kind.clear()
+            if run.engine is not None:
+                run.engine.comm_log.reset()
+        start = time.perf_counter()
+        run.optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(run.forward_module, tokens)
+        loss.backward()
+        backward_done = time.perf_counter()
+        if index == len(batches) - 1:  # see [Note: what is measured, and how]
+            memory["walk"] = walk_model_state(run)
+            if run.engine is not None:
+                report = memory_report(run.engine)
+                memory["report"] = (report.parameters, report.gradients, report.optimizer_state)
+        step_start = time.perf_counter()
+        run.step()
+        end = time.perf_counter()
+        losses.append(loss.item())
+        if index >= warmup:
+            times.append((backward_done - start) + (end - step_start))
+    return {"times": times, "losses": losses, **memory}
+
+
+def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) -> dict[str, Any]:
+    """One method on one rank of a fresh process group (run by ``run_ranks``, which sets one thread per rank)."""
+    torch.set_num_threads(1)
+    shape = PRESETS[options.params]
+    assert options.batch is not None and options.seq is not None
+    batches = rank_batches(shape, options.warmup + options.steps, options.batch, options.seq, rank, world_size)
+    warm_up_kernels()
+    baseline = reset_peak_rss()
+    counter = CollectiveCounter()
+    counter.install()
+    try:
+        run = BUILDERS[method](build_model(shape), counter)
+        result = _train(run, batches, options.warmup, counter)
+        result["counted"] = dict(counter.bytes_by_kind)
+        if run.engine is not None:
+            result["engine_log"] = run.engine.comm_log.snapshot()
+    finally:
+        counter.remove()
+    result["peak_rss"] = _proc_status_bytes("VmHWM") - baseline
+    return result
+
+
+@dataclass(slots=True)
+class MethodResult:
+    """Everything measured for one method, over all repetitions."""
+
+    method: str
+    step_times: list[float] = field(default_factory=list)  # seconds, slowest rank per step, all repetitions
+    failure: str | None = None
+    state: tuple[int, int, int] = (0, 0, 0)  # the walk's (parameters, gradients, optimizer state), largest rank
+    report_mismatch: str | None = None  # ZeRO: where memory_report disagrees with the walk
+    comm: dict[str, float] = field(default_factory=dict)  # bytes per step by kind (the method's own count)
+    counted: dict[str, float] = field(default_factory=dict)  # ZeRO: the dist wrappers' count, per step
+    peak_rss: int = 0  # largest over ranks and repetitions
+    losses: list[float] = field(default_factory=list)  # rank 0, first repetition
+
+
+def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> None:
+    """Fold one repetition's per-rank results into ``result``."""
+    result.step_times += [max(r["times"][i] for r in ranks) for i in range(steps)]
+    result.state = max((r["walk"] for r in ranks), key=sum)
+    for rank, r in enumerate(ranks):
+        if "report" in r and tuple(r["report"]) != tuple(r["walk"]):
+            result.report_mismatch = f"rank {rank}: memory_report {r['report']} vs walk {r['walk']}"
+    own = ranks[0].get("engine_log", ranks[0]["counted"])
+    result.comm = {kind: nbytes / steps for kind, nbytes in own.items()}
+    if "engine_log" in ranks[0]:
+        result.counted = {kind: nbytes / steps for kind, nbytes in ranks[0]["counted"].items()}
+    result.peak_rss = max(result.peak_rss, *(r["peak_rss"] for r in ranks))
+    result.losses = result.losses or ranks[0]["losses"]
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The last line of the failing rank's traceback (the exception), shortened for a table cell."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return lines[-1][:120]
+
+
+def run_benchmark(options: BenchOptions) -> list[MethodResult]:
+    """``for rep: for method:`` one fresh process group per run; a method that fails is not retried."""
+    results = {method: MethodResult(method) for method in options.methods}
+    for rep in range(options.reps):
+        for method in options.methods:
+            result = results[method]
+            if result.failure is not None:
+                continue
+            try:
+                ranks = run_ranks(rank_worker, options.world_size, method, options, timeout_s=900, pg_timeout_s=300)
+            except Exception as error:  # reported in the method's row, the other methods still run
+                result.failure = _failure_reason(error)
+                print(f"[rep {rep}] {method}: failed: {result.failure}", file=sys.stderr, flush=True)
+                continue
+            _absorb(result, ranks, options.steps)
+            recent = statistics.median(result.step_times[-options.steps :]) * 1e3
+            print(f"[rep {rep}] {method}: median {recent:.1f} ms/step", file=sys.stderr, flush=True)
+    return [results[method] for method in options.methods]
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _row(result: MethodResult, ddp_ms: float | None, psi: int, world: int) -> str:
+    if result.failure is not None:
+        return f"| {result.method} | n/a ({result.failure}) |" + " — |" * 8
+    median_ms = statistics.median(result.step_times) * 1e3
+    vs_ddp = f"{median_ms / ddp_ms:.2f}x" if ddp_ms else "n/a"
+    state = sum(result.state)
+    state_theory = theory_state_bytes(result.method, psi, world)
+    state_cell = _mib(state) + (" (memory_report disagrees!)" if result.report_mismatch else "")
+    sent = sum(result.comm.values())
+    comm_theory = theory_comm_bytes(result.method, psi)
+    if result.counted and abs(sum(result.counted.values()) - sent) > 0.5:
+        sent_cell = f"{_mib(sent)} (dist wrappers: {_mib(sum(result.counted.values()))})"
+    else:
+        sent_cell = f"{_mib(sent)} ({sent / comm_theory:.2f}x theory)"
+    cells = [
+        result.method, f"{median_ms:.1f}", vs_ddp, state_cell, _mib(state_theory), f"{state / state_theory:.3f}x",
+        sent_cell, _mib(comm_theory), _mib(result.peak_rss),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _details(results: list[MethodResult], psi: int) -> list[str]:
+    """Per method: the state and traffic in units of Ψ bytes, and the loss agreement with DDP."""
+    reference = next((r.losses for r in results if r.method == "ddp" and r.losses), None)
+    lines = []
+    for result in results:
+        if result.failure is not None:
+            continue
+        params, grads, optim = (nbytes / psi for nbytes in result.state)
+        traffic = ", ".join(f"{kind} {nbytes / psi:.2f}" for kind, nbytes in sorted(result.comm.items()))
+        line = f"- {result.method}: state/Ψ params {params:.2f}, grads {grads:.2f}, optimizer {optim:.2f}; "
+        line += f"bytes sent/Ψ per step: {traffic or 'none'}"
+        if reference and result.method != "ddp":
+            diff = max(abs(a - b) for a, b in zip(result.losses, reference, strict=True))
+            line += f"; max |loss - DDP loss| over steps {diff:.1e}"
+        if result.report_mismatch:
+            line += f"; MEMORY_REPORT MISMATCH: {result.report_mismatch}"
+        lines.append(line)
+    return lines
+
+
+MEASUREMENT_NOTES = """\
+How to read it: step time = slowest rank per step, median over every timed step of every repetition, without the
+memory walk. Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP
+with gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
+all-gather / reduce-scatter / broadcast, twice the buffer of an all-reduce (zero*: engine comm_log; ddp: comm hook;
+zero_redundancy: comm hook + torch.distributed wrappers; fsdp2: wrappers). Peak RSS = VmHWM minus VmRSS at a reset
+(/proc/self/clear_refs) just before the model is built, each run in fresh processes, largest rank and repetition."""
+
+
+def format_report(options: BenchOptions, results: list[MethodResult], command: str) -> str:
+    shape = PRESETS[options.params]
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in BenchGPT(shape).parameters())
+    ddp = next((r for r in results if r.method == "ddp" and r.failure is None), None)
+    ddp_ms = statistics.median(ddp.step_times) * 1e3 if ddp else None
+    header = [
+        "method", "median step ms", "ratio to DDP", "model state / rank", "theory", "ratio to theory",
+        "bytes sent / step", "theory", "peak RSS / rank above baseline",
+    ]
+    lines = [
+        f"command: {command}",
+        f"torch {torch.__version__}, {options.world_size} ranks (gloo, 1 thread each), model {options.params}: "
+        f"Ψ = {psi:,} fp32 parameters, {shape.n_layer} blocks of width {shape.width}, vocab {shape.vocab_size}; "
+        f"batch {options.batch} x seq {options.seq} per rank; AdamW; {options.reps} reps x "
+        f"({options.warmup} warm-up + {options.steps} timed steps) per method, interleaved",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *(_row(result, ddp_ms, psi, options.world_size) for result in results),
+        "",
+        *_details(results, psi),
+        "",
+        MEASUREMENT_NOTES,
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> BenchOptions:
+    defaults = BenchOptions()
+    parser = argparse.ArgumentParser(prog="python -m zero_strategy.tools.benchmark", description=__doc__.split("\n")[0])
+    parser.add_argument("--params", choices=sorted(PRESETS), default=defaults.params, help="model size preset")
+    parser.add_argument("--reps", type=int, default=defaults.reps, help="repetitions (methods interleaved)")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per repetition and method")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps before them (>= 1)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--world-size", type=int, default=defaults.world_size, help="number of CPU ranks")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default: preset's)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: preset's)")
+    args = vars(parser.parse_args(argv))  # the flags are BenchOptions' fields
+    args["methods"] = [method.strip() for method in args["methods"].split(",") if method.strip()]
+    try:
+        return BenchOptions(**args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark, print the report (command, torch version, table, details) and return it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = parse_args(argv)
+    command = shlex.join(["python", "-m", "zero_strategy.tools.benchmark", *argv])
+    started = time.perf_counter()
+    results = run_benchmark(options)
+    report = format_report(options, results, command)
+    report += f"\n\nwall time of the whole benchmark: {time.perf_counter() - started:.0f} s"
+    print(report, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
