@@ -3,8 +3,9 @@ except Lightning's own object broadcast/barrier plumbing."""
 
 from __future__ import annotations
 
+import os
 import tempfile
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -44,7 +45,9 @@ from zero_strategy.core.activation_checkpointing import (
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
+from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.tools.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 
 
 class _ForwardEntry(nn.Module):
@@ -111,6 +114,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._engine: ZeroEngine | None = None
+        self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
     # ------------------------------------------------------------------------------------------ topology
     @property
@@ -194,6 +198,8 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
+        if self.deepspeed_import is not None:
+            apply_clipping(self.deepspeed_import, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self._shard_model()
@@ -213,6 +219,24 @@ class ZeroStrategy(ParallelStrategy):
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
+
+    @classmethod
+    def from_deepspeed_config(
+        cls, path_or_dict: str | os.PathLike | Mapping[str, Any], world_size: int | None = None, **kwargs: Any
+    ) -> ZeroStrategy:
+        """A strategy (with its ZeroPrecision) from a DeepSpeed JSON config. Batch keys are checked against
+        ``world_size`` now if given, and against the Trainer and DataLoader when training starts; the config's
+        ``gradient_clipping`` becomes the Trainer's ``gradient_clip_val``. Extra keywords go to ZeroStrategy."""
+        imported = parse_deepspeed_config(path_or_dict, world_size=world_size)
+        precision = ZeroPrecision(imported.precision, **imported.precision_kwargs)
+        strategy = cls(precision_plugin=precision, **{**imported.zero_config_kwargs(), **kwargs})
+        strategy.deepspeed_import = imported
+        return strategy
+
+    @override
+    def on_train_start(self) -> None:
+        if self.deepspeed_import is not None and self.lightning_module is not None:
+            check_batch(self.deepspeed_import, self.lightning_module.trainer, self.world_size)
 
     @property
     def engine(self) -> ZeroEngine:
