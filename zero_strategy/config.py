@@ -106,6 +106,11 @@ class ZeroConfig:
             )
         if OffloadDevice.NVME in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ZeroConfigError('"nvme" offload needs nvme_path=<a directory on a fast local disk>.')
+        if self.offload_param is not OffloadDevice.NONE and self.offload_optimizer is OffloadDevice.NONE:
+            raise ZeroConfigError(
+                f"offload_param={self.offload_param.value!r} needs offload_optimizer too: at stage 3 the parameter "
+                "slices are the fp32 master slices the optimizer steps, so they move together."
+            )
         if self.offload_param is OffloadDevice.NVME and self.offload_optimizer is not OffloadDevice.NVME:
             raise ZeroConfigError(
                 'offload_param="nvme" reads parameter slices from the master files: set offload_optimizer="nvme" too.'

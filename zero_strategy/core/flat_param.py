@@ -121,7 +121,12 @@ class FlatParam:
         # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
         # a gather needs no host-to-device copy (refreshed after every step).
         self._device_source: Tensor | None = None
-        if placement is not None and placement.keeps_device_gather_source and self.shard.device != full.device:
+        if (
+            placement is not None
+            and not options.keeps_full  # stages 1/2 gather into `full`, which stays on the device anyway
+            and placement.keeps_device_gather_source
+            and self.shard.device != full.device
+        ):
             self._device_source = self.shard.to(device=full.device, dtype=full.dtype)
         for span, param in zip(self.layout.spans, self.params, strict=True):
             param.data = full[span.offset : span.end].view(span.shape)

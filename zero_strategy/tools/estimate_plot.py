@@ -1,0 +1,207 @@
+"""The ``zero-estimate`` front end: command-line parsing, the GiB table and the optional stacked-bar chart.
+
+Apart from :mod:`zero_strategy.tools.estimate` so the arithmetic stays small and importable on its own; matplotlib
+is imported only when a chart is asked for (it is not a dependency of the package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_strategy.tools.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, compare, first_fitting
+
+GiB = 2**30
+_SIZES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_COUNTS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+EXAMPLE = "zero-estimate --params 65e9 --world-size 8 --precision bf16-mixed --device-memory 80GB"
+
+
+# ------------------------------------------------------------------------------------------------------ input
+def _parse_with(text: str, table: dict[str, int], what: str) -> float:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in table:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return float(match.group(1)) * table[match.group(2)]
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GB"`` (10⁹ bytes, the safe reading of a GPU's label), ``"80GiB"`` (2³⁰), ``"1.5TB"``, or bytes."""
+    return _parse_with(text, _SIZES, "a size such as 80GB, 80GiB or 1.5TB")
+
+
+def parse_count(text: str) -> int:
+    """``"7e9"``, ``"7B"``, ``"350M"``."""
+    return int(_parse_with(text, _COUNTS, "a parameter count such as 7e9, 7B or 350M"))
+
+
+def load_model(spec: str, kwargs_json: str | None) -> nn.Module:
+    """``package.module:ClassName`` built with no arguments (or the JSON keywords) on the ``meta`` device, so a
+    65B model costs no memory; a class that cannot be built there is built normally."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise SystemExit(f"--model {spec!r}: use package.module:ClassName")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    kwargs = json.loads(kwargs_json) if kwargs_json else {}
+    try:
+        with torch.device("meta"):
+            return cls(**kwargs)
+    except Exception:  # a constructor that reads data (.item(), files) cannot run on meta: build it for real
+        return cls(**kwargs)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zero-estimate",
+        description="Per-rank memory of every ZeRO stage with and without offload, and the cheapest that fits.",
+        epilog=f"Example, fine-tuning a 65B model on 8 x 80 GB GPUs:  {EXAMPLE}",
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=parse_count, help="parameter count: 7e9, 7B, 350M")
+    what.add_argument("--model", help="package.module:ClassName, constructed with no arguments")
+    parser.add_argument("--model-kwargs", help='JSON keywords for --model, e.g. \'{"n_layers": 24}\'')
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs in total)")
+    parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")
+    parser.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZER_STATE_BYTES))
+    parser.add_argument("--device-memory", type=parse_bytes, help="memory of one GPU: 80GB, 40GiB")
+    parser.add_argument("--host-memory", type=parse_bytes, help="host memory of one node, shared by its GPUs")
+    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: min(8, world size))")
+    parser.add_argument("--largest-unit-params", type=parse_count, help="elements of the largest unit (a block)")
+    parser.add_argument("--root-unit-params", type=parse_count, help="elements of the root unit (embeddings, head)")
+    parser.add_argument("--activations", type=parse_bytes, help="activation bytes per rank, if known")
+    parser.add_argument("--no-prefetch", action="store_true", help="stage 3 without prefetching the next unit")
+    parser.add_argument("--plot", metavar="FILE.png", help="stacked bar chart per configuration (needs matplotlib)")
+    return parser
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.plot:
+        require_matplotlib()  # before the work, so a missing package costs nothing
+    subject: nn.Module | float = load_model(args.model, args.model_kwargs) if args.model else args.params
+    try:
+        estimates = compare(
+            subject, world_size=args.world_size, precision=args.precision, optimizer=args.optimizer,
+            largest_unit_numel=args.largest_unit_params, root_unit_numel=args.root_unit_params,
+            activation_bytes=None if args.activations is None else int(args.activations),
+            prefetch=not args.no_prefetch,
+        )  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(f"zero-estimate: {error}") from None
+    host_per_rank = None
+    if args.host_memory is not None:
+        host_per_rank = args.host_memory / (args.gpus_per_node or min(8, args.world_size))
+    print(format_report(estimates, args.device_memory, host_per_rank))
+    if args.plot:
+        plot_estimates(estimates, args.plot, args.device_memory)
+        print(f"chart written to {args.plot}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- table
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f}" if nbytes < 10 * GiB else f"{nbytes / GiB:.1f}"
+
+
+def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """The configuration name left-aligned, numbers right-aligned."""
+    padded = [cell.rjust(width) for cell, width in zip(cells, widths, strict=True)]
+    return "  ".join([cells[0].ljust(widths[0]), *padded[1:]])
+
+
+def format_table(
+    estimates: Sequence[MemoryEstimate], device_memory: float | None = None, host_per_rank: float | None = None
+) -> str:
+    """One row per configuration: device bytes by category, then device/host/nvme totals, in GiB per rank."""
+    header = ["configuration", "params", "master", "grads", "optim", "comm", "activ", "DEVICE", "host", "nvme"]
+    if device_memory is not None:
+        header.append("fits")
+    rows = []
+    for e in estimates:
+        cells = [e.label] + [_gib(p.device) for p in e.categories.values()]
+        cells += [_gib(e.total.device), _gib(e.total.host), _gib(e.total.nvme)]
+        if device_memory is not None:
+            cells.append("yes" if e.fits(device_memory, host_per_rank) else "no")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [_row(header, widths), _row(["-" * w for w in widths], widths)]
+    return "\n".join(lines + [_row(r, widths) for r in rows])
+
+
+def format_report(
+    estimates: Sequence[MemoryEstimate], device_memory: float | None = None, host_per_rank: float | None = None
+) -> str:
+    """The table, the cheapest configuration that fits, and the assumptions behind the numbers."""
+    first = estimates[0]
+    lines = [
+        f"ZeRO memory per rank (GiB): {first.num_params / 1e9:.3g}B parameters, {first.world_size} ranks, "
+        f"{first.precision}, {first.optimizer}. Columns params..activ are on the device.",
+        "",
+        format_table(estimates, device_memory, host_per_rank),
+        "",
+    ]
+    if device_memory is not None:
+        best = first_fitting(estimates, device_memory, host_per_rank)
+        budget = f"{device_memory / 1e9:.0f} GB ({device_memory / GiB:.1f} GiB) per device"
+        if host_per_rank is not None:
+            budget += f" and {host_per_rank / GiB:.0f} GiB host memory per rank"
+        if best is None:
+            lines.append(f"Nothing fits in {budget}: use more ranks, a smaller model or shorter sequences.")
+        else:
+            lines.append(f"Smallest that fits in {budget}: {best.label} — device {_gib(best.total.device)} GiB, "
+                         f"host {_gib(best.total.host)} GiB, nvme {_gib(best.total.nvme)} GiB per rank.")
+        lines.append("")
+    notes = dict.fromkeys(note for e in estimates for note in e.notes)
+    lines.append("Notes:")
+    lines += [f"- {note}" for note in notes]
+    lines.append("- not included: CUDA context and allocator fragmentation (keep a few GiB spare)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------- chart
+def require_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("zero-estimate --plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # files only, no display needed
+    return matplotlib
+
+
+def plot_estimates(estimates: Sequence[MemoryEstimate], path: str, device_memory: float | None = None) -> None:
+    """Stacked bars of device GiB per configuration (one colour per category), host+nvme bars beside them."""
+    require_matplotlib()
+    import matplotlib.pyplot as plt
+
+    labels = [e.label for e in estimates]
+    positions = range(len(estimates))
+    figure, (device_axis, host_axis) = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
+    for axis, place in ((device_axis, "device"), (host_axis, "host")):
+        bottom = [0.0] * len(estimates)
+        for name in estimates[0].categories:
+            values = [getattr(e.categories[name], place) / GiB for e in estimates]
+            axis.bar(positions, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        if place == "host":
+            values = [e.total.nvme / GiB for e in estimates]
+            axis.bar(positions, values, bottom=bottom, label="nvme files", hatch="//", color="lightgrey")
+        axis.set_xticks(list(positions), labels, rotation=45, ha="right")
+        axis.set_ylabel("GiB per rank")
+        axis.set_title(f"{place} memory" + (" (+ nvme files)" if place == "host" else ""))
+    if device_memory is not None:
+        device_axis.axhline(device_memory / GiB, color="black", linestyle="--", label="device memory")
+    device_axis.legend()
+    first = estimates[0]
+    figure.suptitle(f"{first.num_params / 1e9:.3g}B parameters, {first.world_size} ranks, {first.precision}, "
+                    f"{first.optimizer}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
