@@ -10,7 +10,8 @@ process holds one parameter (plus a bounded read chunk) at a time: the peak is n
 model. A parameter is filled from the shards in chunks of at most ``READ_CHUNK_BYTES`` into one preallocated
 fp32 tensor; reading it whole would hold the pieces *and* their concatenation when it spans several ranks' shards.
 The shards are read with ordinary file reads (no mmap), so the pages the kernel caches do not count against the
-process. ``.pt`` / ``.bin`` / ``.ckpt`` are ``torch.save`` d dictionaries and hold the whole model in memory.
+process. ``.pt`` / ``.bin`` / ``.ckpt`` are dictionaries written by ``torch.save``: they hold the whole model in
+memory.
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ def consolidate(
     """Write the full fp32 state_dict of the sharded ``checkpoint`` directory to ``output`` and return its path.
 
     The format follows the suffix of ``output``: ``.safetensors`` (streamed, one tensor in memory at a time),
-    ``.pt`` / ``.bin`` (a ``torch.save`` d state_dict) or ``.ckpt`` (a Lightning checkpoint without optimizer and
-    scheduler state, for ``YourModule.load_from_checkpoint``). The file appears atomically (temporary name, then
-    ``os.replace``). ``weights_only=False`` unpickles the trainer state in full: only for checkpoints you trust
-    whose hyper-parameters hold objects. Raises :class:`CheckpointError` for a damaged or incomplete checkpoint and
-    ``ValueError`` for an unsupported suffix.
+    ``.pt`` / ``.bin`` (a state_dict written by ``torch.save``) or ``.ckpt`` (a Lightning checkpoint without
+    optimizer and scheduler state, for ``YourModule.load_from_checkpoint``). The file appears atomically
+    (temporary name, then ``os.replace``). ``weights_only=False`` unpickles the trainer state in full: only for
+    checkpoints you trust whose hyper-parameters hold objects. Raises :class:`CheckpointError` for a damaged or
+    incomplete checkpoint and ``ValueError`` for an unsupported suffix.
     """
     target = Path(output)
     suffix = target.suffix.lower()
@@ -170,7 +171,11 @@ def _values(
 
 # ------------------------------------------------------------------------------------------------ writing
 def _write_safetensors(
-    ckpt: ShardedCheckpoint, entries: list[_Entry], state: _TrainerState, target: Path, on_bytes: Callable
+    ckpt: ShardedCheckpoint,
+    entries: list[_Entry],
+    state: _TrainerState,
+    target: Path,
+    on_bytes: Callable[[int], object],
 ) -> None:
     specs: list[tuple[str, torch.dtype, list[int]]] = []
     for entry in entries:
@@ -200,12 +205,16 @@ def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: _TrainerState, state_d
 
 
 def _installed_lightning() -> str:
+    # Read from the package metadata: this folder does not import Lightning (see __init__.py).
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("lightning")
     except PackageNotFoundError:
-        return "2.0.0"
+        raise ValueError(
+            "a .ckpt output records the Lightning version that reads it, and neither the checkpoint nor this "
+            "environment has one; install lightning or consolidate to .safetensors / .pt"
+        ) from None
 
 
 def _torch_save_synced(content: dict[str, Any], path: Path) -> None:

@@ -142,7 +142,11 @@ def _publish(
     state_path = staging.version_dir / TRAINER_STATE_NAME
     flats, keys = _manifest_entries(engine)
     buffer_keys = {key for key, kind, _ in keys if kind == "buffer"}
-    buffers = {k: v.detach().cpu() for k, v in engine.module.state_dict().items() if k in buffer_keys}
+    buffers = {
+        k: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # get_extra_state() may return plain data
+        for k, v in engine.module.state_dict().items()
+        if k in buffer_keys
+    }
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in engine.optimizers]
     torch.save({**trainer_state, BUFFERS_KEY: buffers, PARAM_GROUPS_KEY: groups}, state_path)
     manifest = Manifest(

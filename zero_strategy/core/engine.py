@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,10 +34,18 @@ from zero_strategy.core.flat_param import DistContext, FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
-from zero_strategy.core.optimizer import check_optimizer, param_group_index, repoint_param_groups
+from zero_strategy.core.optimizer import (
+    carve_state,
+    check_optimizer,
+    install_zero_grad_hook,
+    param_group_index,
+    remove_zero_grad_hook,
+    repoint_param_groups,
+)
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
+from zero_strategy.core.unused import Saved, protect_unused, restore_unused
 
 
 def _dist_context(group: ProcessGroup) -> DistContext:
@@ -66,6 +75,7 @@ class ZeroEngine:
         self.stage = ZeroStage(config.stage)
         self.ctx = _dist_context(group)
         self.comm_log = CommunicationLog()
+        self._unused_saved: dict[int, Saved] = {}
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         owner = param_group_index(self.optimizers)
@@ -88,11 +98,38 @@ class ZeroEngine:
     # --------------------------------------------------------------------------------------------- set-up
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):
+            existing = dict(optimizer.state)  # e.g. Adagrad's accumulators, created at construction
             pieces_by_group: dict[int, list[nn.Parameter]] = {}
             for flat in self._flat_params_of(opt_index):
                 for piece, group_index in zip(flat.master_pieces, flat.piece_group_index, strict=True):
                     pieces_by_group.setdefault(group_index, []).append(piece)
             repoint_param_groups(optimizer, pieces_by_group)
+            optimizer.state.clear()
+            if existing:
+                for flat in self._flat_params_of(opt_index):
+                    self._carry_state_over(optimizer, flat, existing)
+            install_zero_grad_hook(optimizer, partial(self._on_zero_grad, opt_index))
+
+    def _carry_state_over(self, optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
+        """Give each master piece the slices of the state its parameters already had."""
+        by_name = dict(zip(flat.names, flat.params, strict=True))
+        overlaps = flat.layout.overlaps(self.ctx.rank)
+        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+            parts = [o for o in overlaps if offset <= o.shard_start < offset + piece.numel()]
+            carved = [carve_state(existing.get(by_name[o.name], {}), by_name[o.name], o.param_start, o.numel)
+                      for o in parts]
+            if not carved or not carved[0] or any(c.keys() != carved[0].keys() for c in carved):
+                continue  # no state yet, or parameters in different states: the optimizer starts this piece fresh
+            state = dict(carved[0])
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = torch.cat([c[key] for c in carved]).to(piece.device)
+            optimizer.state[piece] = state
+
+    def _on_zero_grad(self, optimizer_index: int) -> None:
+        """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
+        for flat in self._flat_params_of(optimizer_index):
+            flat.discard_grads()
 
     def _flat_params_of(self, optimizer_index: int | None) -> Iterator[FlatParam]:
         for unit in self.units:
@@ -161,6 +198,8 @@ class ZeroEngine:
         index = self.optimizer_index(optimizer)
         for unit in self.units:
             unit.reduce_grads(index, reduce_dtype=self.hooks.reduce_dtype)
+        # parameters that produced no gradient must not move (see [Note: unused parameters] in unused.py)
+        self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (padding is in no piece, so excluded)."""
@@ -221,7 +260,8 @@ class ZeroEngine:
             flat.discard_grads()
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step the user's optimizer on the master slices (in chunks when they live in files)."""
+        """Step the user's optimizer on the master slices (in chunks when they live in files; calling
+        ``optimizer.step()`` directly works too, except for that chunking)."""
         if self.placement is not None and self.placement.store is not None:
             chunked_step(optimizer, self.config.nvme_chunk_numel, self.placement.store)
             return None
@@ -231,7 +271,9 @@ class ZeroEngine:
         """Propagate the updated slices: stages 1/2 gather them into the full parameters; stage 3 only drops any
         gathered copy so the next forward gathers the new values."""
         index = self.optimizer_index(optimizer)
+        restore_unused(self._unused_saved.pop(index, []))
         for flat in self._flat_params_of(index):
+            flat.grad_seen = [False] * len(flat.params)
             flat.refresh_device_source()
             if self.stage.reshards_parameters:
                 flat.reshard()
@@ -254,6 +296,8 @@ class ZeroEngine:
     def release(self) -> None:
         """Undo the sharding: remove hooks and give the module standalone, up-to-date full parameters."""
         self.hooks.remove()
+        for optimizer in self.optimizers:
+            remove_zero_grad_hook(optimizer)
         for flat in self.flat_params:
             for param in flat.params:
                 param.grad = None

@@ -89,6 +89,7 @@ class FlatParam:
         self.state = ShardState.UNSHARDED
         self._pending: PendingGather | None = None
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
+        self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
@@ -230,10 +231,12 @@ class FlatParam:
         span = self.layout.spans[index]
         self.grad_stash[span.offset : span.end].add_(param.grad.reshape(-1))
         param.grad = None
+        self.grad_seen[index] = True
 
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
         self.grad_stash = None
+        self.grad_seen = [False] * len(self.params)
         for param in self.params:
             param.grad = None
         for piece in self.master_pieces:
@@ -251,10 +254,11 @@ class FlatParam:
             flat, self.grad_stash = self.grad_stash.to(dtype), None
         else:
             flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
-        for span, param in zip(self.layout.spans, self.params, strict=True):
+        for index, (span, param) in enumerate(zip(self.layout.spans, self.params, strict=True)):
             if param.grad is not None:
                 flat[span.offset : span.end].add_(param.grad.reshape(-1))
                 param.grad = None
+                self.grad_seen[index] = True
         reduced = reduce_scatter_mean(flat, self.ctx.group, self.log)
         del flat
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
@@ -264,6 +268,12 @@ class FlatParam:
                 piece.grad = chunk.to(device=piece.device, dtype=piece.dtype, copy=True)
             else:
                 piece.grad.add_(chunk.to(piece.device))
+
+    def unused_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""
+        seen = dict(zip(self.names, self.grad_seen, strict=True))
+        overlaps = self.layout.overlaps(self.ctx.rank)
+        return [(o.shard_start, o.shard_start + o.numel) for o in overlaps if not seen[o.name]]
 
     # ------------------------------------------------------------------------------------------- teardown
     def release_to_module(self) -> None:

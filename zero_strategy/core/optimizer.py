@@ -9,7 +9,11 @@ statistics, Shampoo, Muon, LBFGS's line search over all parameters) would be sil
 
 from __future__ import annotations
 
-from torch import nn
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
@@ -61,12 +65,6 @@ def param_group_index(optimizers: list[Optimizer]) -> dict[int, tuple[int, int]]
     """``id(param)`` → (optimizer index, param group index), refusing a parameter claimed twice."""
     owner: dict[int, tuple[int, int]] = {}
     for opt_index, optimizer in enumerate(optimizers):
-        if len(optimizer.state) > 0:
-            raise ValueError(
-                f"optimizer {opt_index} ({qualified_name(optimizer)}) already has state before ZeRO sharded the "
-                "model; create it in configure_optimizers without stepping it, and restore state through a "
-                "checkpoint (ckpt_path=...)."
-            )
         for group_index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 if id(param) in owner:
@@ -86,3 +84,54 @@ def repoint_param_groups(optimizer: Optimizer, pieces_by_group: dict[int, list[n
     """
     for group_index, group in enumerate(optimizer.param_groups):
         group["params"] = list(pieces_by_group.get(group_index, []))
+
+
+def carve_state(param_state: dict[str, Any], param: Tensor, start: int, count: int) -> dict[str, Any]:
+    """The part of one parameter's optimizer state that covers its elements ``[start, start+count)``: element-wise
+    tensors are sliced (flattened), scalars (``step``) copied. Adagrad, for one, creates state at construction."""
+    carved: dict[str, Any] = {}
+    for key, value in param_state.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+            carved[key] = value.detach().reshape(-1)[start : start + count]
+        else:
+            carved[key] = value.clone() if isinstance(value, Tensor) else value
+    return carved
+
+
+# [Note: zero_grad reaches the module's gradients]
+# The user's optimizer holds master slices, so its zero_grad() clears only their gradients. At stage 1 the module's
+# own gradients wait until the step; a zero_grad() in between (manual optimization with several optimizers: G's
+# backward also reached D's parameters) must clear those too, as it would under DDP. torch offers no zero_grad hook,
+# and Lightning's LightningOptimizer calls the optimizer *class's* method, so the optimizer gets a subclass whose
+# zero_grad also runs the engine's callback; release() restores the class.
+_ZERO_GRAD_CALLBACKS: weakref.WeakKeyDictionary[Optimizer, Callable[[], None]] = weakref.WeakKeyDictionary()
+_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -> None:
+    original = type(optimizer)
+    if original not in _HOOKED_CLASSES.values():
+        if original not in _HOOKED_CLASSES:
+
+            def zero_grad(self: Any, set_to_none: bool = True) -> None:
+                raw = getattr(self, "_optimizer", self)  # a LightningOptimizer wraps the real one
+                original.zero_grad(raw, set_to_none=set_to_none)
+                hook = _ZERO_GRAD_CALLBACKS.get(raw)
+                if hook is not None:
+                    hook()
+
+            namespace = {
+                "zero_grad": zero_grad,
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+            }
+            _HOOKED_CLASSES[original] = type(original.__name__, (original,), namespace)
+        optimizer.__class__ = _HOOKED_CLASSES[original]
+    _ZERO_GRAD_CALLBACKS[optimizer] = callback
+
+
+def remove_zero_grad_hook(optimizer: Optimizer) -> None:
+    for original, hooked in _HOOKED_CLASSES.items():
+        if type(optimizer) is hooked:
+            optimizer.__class__ = original
+    _ZERO_GRAD_CALLBACKS.pop(optimizer, None)

@@ -11,6 +11,7 @@ propagates the new values into the compute-dtype parameters. It contains no coll
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -181,12 +182,18 @@ class ZeroPrecision(Precision):
     @override
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
         """Hold back step-interval LR schedulers after a skipped step (torch AMP lets them advance)."""
-        for config in lr_schedulers:
-            scheduler = getattr(config, "scheduler", config)
-            if getattr(config, "interval", "step") == "step" and not getattr(scheduler, "_zero_skip_aware", False):
-                scheduler.step = _skip_aware_step(scheduler, self._skipped_last)
-                scheduler._zero_skip_aware = True
+        self._schedulers = [getattr(config, "scheduler", config) for config in lr_schedulers]
+        for config, scheduler in zip(lr_schedulers, self._schedulers, strict=True):
+            if getattr(config, "interval", "step") == "step":
+                _make_skip_aware(scheduler, self._skipped_last)
         return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        for scheduler in getattr(self, "_schedulers", []):
+            _restore_scheduler(scheduler)
+        self._schedulers = []
+        super().teardown()
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -207,15 +214,41 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-def _skip_aware_step(scheduler: Any, skipped_last: dict[int, bool]) -> Callable[..., Any]:
-    original = scheduler.step
+# scheduler -> the plugin's "last step skipped" flags. Kept outside the scheduler: anything stored on it would end
+# up in its state_dict (LRScheduler.state_dict returns its __dict__) and in every checkpoint.
+_SKIP_FLAGS: weakref.WeakKeyDictionary[Any, dict[int, bool]] = weakref.WeakKeyDictionary()
+_SKIP_AWARE_CLASSES: dict[type, type] = {}
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if skipped_last.pop(id(scheduler.optimizer), False):
+
+def _make_skip_aware(scheduler: Any, skipped_last: dict[int, bool]) -> None:
+    """Give ``scheduler`` a subclass whose ``step`` does nothing right after its optimizer skipped a step.
+
+    A subclass rather than an instance attribute, so the scheduler's state_dict (its ``__dict__``) is unchanged;
+    :func:`_restore_scheduler` puts the original class back at teardown.
+    """
+    original = type(scheduler)
+    if original in _SKIP_AWARE_CLASSES.values():
+        _SKIP_FLAGS[scheduler] = skipped_last
+        return
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        flags = _SKIP_FLAGS.get(self, {})
+        if flags.pop(id(self.optimizer), False):
             return None  # the optimizer did not step: neither does its schedule
-        return original(*args, **kwargs)
+        return original.step(self, *args, **kwargs)
 
-    return step
+    if original not in _SKIP_AWARE_CLASSES:
+        namespace = {"step": step, "__module__": original.__module__, "__qualname__": original.__qualname__}
+        _SKIP_AWARE_CLASSES[original] = type(original.__name__, (original,), namespace)
+    scheduler.__class__ = _SKIP_AWARE_CLASSES[original]
+    _SKIP_FLAGS[scheduler] = skipped_last
+
+
+def _restore_scheduler(scheduler: Any) -> None:
+    for original, aware in _SKIP_AWARE_CLASSES.items():
+        if type(scheduler) is aware:
+            scheduler.__class__ = original
+    _SKIP_FLAGS.pop(scheduler, None)
 
 
 def _reduce_dtype(name: str | None) -> torch.dtype:

@@ -213,9 +213,11 @@ class ZeroStrategy(ParallelStrategy):
         if self._checkpoint_policy is not None:
             apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
         entry = _ForwardEntry(module)
-        self._engine = ZeroEngine(
-            module, list(self.optimizers), self.config, None, entry, self.precision_plugin.policy()
-        )
+        trainer = module.trainer
+        # Only a fit steps optimizers; validate/test/predict after a fit must not re-bind the fit's optimizers.
+        optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
+        self._engine = ZeroEngine(module, optimizers, self.config, None, entry, self.precision_plugin.policy())
+        self.optimizers = self.optimizers  # rebuild Lightning's wrappers: the engine gave the optimizers a new class
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))

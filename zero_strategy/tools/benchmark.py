@@ -294,6 +294,7 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
             if run.engine is not None:
                 report = memory_report(run.engine)
                 memory["report"] = (report.parameters, report.gradients, report.optimizer_state)
+            dist.barrier()  # a slower walk on one rank must not show up as the other rank's step time
         step_start = time.perf_counter()
         run.step()
         end = time.perf_counter()
@@ -358,7 +359,7 @@ def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> No
 def _failure_reason(error: BaseException) -> str:
     """The last line of the failing rank's traceback (the exception), shortened for a table cell."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return lines[-1][:120]
+    return lines[-1].replace("|", "/")[:120]  # a "|" would split the table cell
 
 
 def run_benchmark(options: BenchOptions) -> list[MethodResult]:
@@ -387,7 +388,7 @@ def _mib(nbytes: float) -> str:
 
 def _row(result: MethodResult, ddp_ms: float | None, psi: int, world: int) -> str:
     if result.failure is not None:
-        return f"| {result.method} | n/a ({result.failure}) |" + " — |" * 8
+        return f"| {result.method} | n/a ({result.failure}) |" + " — |" * 7
     median_ms = statistics.median(result.step_times) * 1e3
     vs_ddp = f"{median_ms / ddp_ms:.2f}x" if ddp_ms else "n/a"
     state = sum(result.state)
