@@ -250,24 +250,37 @@ class FlatParam:
         if not self.has_pending_grads():
             return
         dtype = reduce_dtype or self.full.dtype
-        if self.grad_stash is not None:
-            flat, self.grad_stash = self.grad_stash.to(dtype), None
-        else:
-            flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
-        for index, (span, param) in enumerate(zip(self.layout.spans, self.params, strict=True)):
-            if param.grad is not None:
-                flat[span.offset : span.end].add_(param.grad.reshape(-1))
-                param.grad = None
-                self.grad_seen[index] = True
+        flat = self._flatten_grads(dtype)
         reduced = reduce_scatter_mean(flat, self.ctx.group, self.log)
         del flat
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
             if piece.grad is None:
-                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32), where the masters are
-                piece.grad = chunk.to(device=piece.device, dtype=piece.dtype, copy=True)
+                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32), where the masters are.
+                # `reduced` is ours alone and its pieces are disjoint, so a matching slice is used without a copy.
+                piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
             else:
                 piece.grad.add_(chunk.to(piece.device))
+
+    def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
+        """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""
+        if self.grad_stash is not None:
+            flat, self.grad_stash = self.grad_stash.to(dtype), None
+            add = True
+        else:
+            # empty + copy rather than zeros + add: one pass over the memory instead of two
+            flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+            flat[self.layout.numel :].zero_()
+            add = False
+        for index, (span, param) in enumerate(zip(self.layout.spans, self.params, strict=True)):
+            target = flat[span.offset : span.end]
+            if param.grad is not None:
+                target.add_(param.grad.reshape(-1)) if add else target.copy_(param.grad.reshape(-1))
+                param.grad = None
+                self.grad_seen[index] = True
+            elif not add:
+                target.zero_()
+        return flat
 
     def unused_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""
