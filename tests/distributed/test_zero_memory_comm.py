@@ -1,0 +1,205 @@
+"""What each rank holds and what it sends, measured independently of the code under test.
+
+Memory is found by walking tensor storages (optimizer.state tensors, the optimizer's parameters' ``.grad``, the
+module parameters' and master pieces' storages); bytes sent come from the engine's communication log and are
+held to the ZeRO paper's numbers: Ψ parameters, fp32, N ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.models import lm_loss, make_batches, make_model, rank_slice
+from helpers.storage import StorageTally, optimizer_params, optimizer_state_tensors
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.memory import memory_report
+from zero_strategy.testing import run_ranks
+
+MODEL = {"vocab": 13, "width": 31, "n_blocks": 4}  # Ψ = 4681, every unit's size odd (padding at N = 2, 4)
+N_UNITS = MODEL["n_blocks"] + 1  # one per block plus the root (embedding/head, final LayerNorm)
+FP32 = 4
+
+
+def _psi() -> int:
+    return sum(p.numel() for p in make_model(**MODEL).parameters())
+
+
+def _module_grads(model) -> list:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def _param_bytes(model, optimizer) -> int:
+    """Every storage behind the model's parameters or the optimizer's (master) parameters, counted once."""
+    tally = StorageTally()
+    return tally.bytes_of(list(model.parameters()) + optimizer_params(optimizer))
+
+
+def memory_worker(rank, world_size, stage):
+    model = make_model(**MODEL)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    out = {"params_at_rest": _param_bytes(model, optimizer)}
+    out["module_param_storage_at_rest"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    (tokens,) = make_batches(1, 1, 8, vocab=MODEL["vocab"])[0]
+    lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+    out["module_grads_after_backward"] = len(_module_grads(model))
+    out["master_grad_bytes_after_backward"] = StorageTally().bytes_of(p.grad for p in optimizer_params(optimizer))
+    out["params_after_backward"] = _param_bytes(model, optimizer)
+    engine.prepare_step(optimizer)
+    out["module_grads_after_prepare"] = len(_module_grads(model))
+    out["grad_bytes_after_prepare"] = StorageTally().bytes_of(
+        [p.grad for p in optimizer_params(optimizer)] + _module_grads(model)
+    )
+    optimizer.step()
+    engine.after_step(optimizer)
+    out["state_bytes"] = StorageTally().bytes_of(optimizer_state_tensors(optimizer))
+    out["state_numel_big"] = sum(t.numel() for t in optimizer_state_tensors(optimizer, min_numel=2))
+    out["exp_avg_numel"] = sum(s["exp_avg"].numel() for s in optimizer.state.values())
+    out["params_after_step"] = _param_bytes(model, optimizer)
+    report = memory_report(engine)
+    out["report"] = (report.parameters, report.gradients, report.optimizer_state)
+    return out
+
+
+def _within(value: float, per_rank_elements: float, bytes_per_element: int, world_size: int, extra: int = 0) -> bool:
+    """``value`` bytes is this rank's 1/N share, up to the padding/rounding of each unit's flat buffer."""
+    low = bytes_per_element * (per_rank_elements - 2 * N_UNITS * (world_size - 1))
+    high = bytes_per_element * (per_rank_elements + 2 * N_UNITS) + extra
+    return low <= value <= high
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_per_rank(stage, world_size):
+    psi = _psi()
+    share = psi / world_size
+    results = run_ranks(memory_worker, world_size, stage, timeout_s=50)
+    step_scalars = 4 * 2 * N_UNITS  # AdamW's per-tensor `step` (fp32 scalars), one per master piece
+    for rank, r in enumerate(results):
+        # optimizer state (exp_avg + exp_avg_sq): 8Ψ/N at every stage
+        assert _within(r["state_bytes"], share, 2 * FP32, world_size, extra=step_scalars), (rank, r["state_bytes"])
+        # gradients after prepare_step: only the 1/N slice, no full-size .grad left on the module
+        assert r["module_grads_after_prepare"] == 0, f"rank {rank}: module .grad not freed"
+        assert _within(r["grad_bytes_after_prepare"], share, FP32, world_size), (rank, r["grad_bytes_after_prepare"])
+        if stage >= 2:  # stage 2/3 never hold full gradients, not even between micro-steps
+            assert r["module_grads_after_backward"] == 0, f"rank {rank}: stage {stage} kept full gradients"
+            assert _within(r["master_grad_bytes_after_backward"], share, FP32, world_size)
+        if stage == 3:  # outside forward/backward only the 1/N shard exists
+            for key in ("params_at_rest", "params_after_backward", "params_after_step"):
+                assert _within(r[key], share, FP32, world_size), (rank, key, r[key], 4 * share)
+            assert r["module_param_storage_at_rest"] == 0
+        else:  # stages 1/2 keep full parameters (the shard is a view of them)
+            full = r["params_at_rest"]
+            assert FP32 * psi <= full <= FP32 * (psi + N_UNITS * world_size), (rank, full, FP32 * psi)
+        # the engine's own report agrees with the storages walked here
+        assert r["report"] == (r["params_after_step"], r["grad_bytes_after_prepare"], r["state_bytes"])
+    # across ranks, every element's optimizer state exists exactly once
+    assert sum(r["exp_avg_numel"] for r in results) == psi
+    assert sum(r["state_numel_big"] for r in results) == 2 * psi
+
+
+def comm_worker(rank, world_size, stage, accum):
+    model = make_model(**MODEL)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    phases = []
+    for micro in make_batches(2, accum, 8, vocab=MODEL["vocab"]):
+        optimizer.zero_grad()
+        for tokens in micro:
+            engine.comm_log.reset()
+            lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+            phases.append(("micro", engine.comm_log.snapshot()))
+        engine.comm_log.reset()
+        engine.prepare_step(optimizer)
+        phases.append(("prepare", engine.comm_log.snapshot()))
+        engine.comm_log.reset()
+        optimizer.step()
+        engine.after_step(optimizer)
+        phases.append(("after", engine.comm_log.snapshot()))
+    return phases
+
+
+def _sum(phases, phase: str, kind: str) -> int:
+    return sum(snap.get(kind, 0) for name, snap in phases if name == phase)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bytes_per_step(stage, world_size, accum):
+    psi_bytes = _psi() * FP32
+    pad = N_UNITS * (world_size - 1) * FP32  # each unit's buffer is padded to a multiple of N
+
+    def approx(value: int, multiple: float) -> bool:
+        return multiple * psi_bytes <= value <= multiple * (psi_bytes + pad)
+
+    results = run_ranks(comm_worker, world_size, stage, accum, timeout_s=50)
+    for rank, phases in enumerate(results):
+        steps = 2
+        micro_steps = steps * accum
+        kinds = {kind for _, snap in phases for kind, nbytes in snap.items() if nbytes}
+        assert kinds <= {"all_gather", "reduce_scatter"}, f"rank {rank}: unexpected collectives {kinds}"
+        rs_micro, rs_prepare = _sum(phases, "micro", "reduce_scatter"), _sum(phases, "prepare", "reduce_scatter")
+        ag_micro, ag_after = _sum(phases, "micro", "all_gather"), _sum(phases, "after", "all_gather")
+        assert _sum(phases, "prepare", "all_gather") == 0
+        assert _sum(phases, "after", "reduce_scatter") == 0
+        if stage == 1:
+            # nothing at all while accumulating; one reduce-scatter (Ψ) at the boundary + one all-gather (Ψ)
+            assert all(not any(snap.values()) for name, snap in phases if name == "micro"), phases
+            assert approx(rs_prepare, steps) and approx(ag_after, steps), (rs_prepare, ag_after)
+            assert approx(rs_prepare + ag_after, 2 * steps)  # ≈ DDP's all-reduce, 2Ψ per step
+        elif stage == 2:
+            # a reduce-scatter of Ψ every micro-step, nothing left for the boundary; all-gather Ψ after the step
+            assert rs_prepare == 0
+            assert approx(rs_micro, micro_steps), (rs_micro, micro_steps * psi_bytes)
+            assert ag_micro == 0 and approx(ag_after, steps)
+            if accum == 1:
+                assert approx(rs_micro + ag_after, 2 * steps)
+        else:
+            # forward all-gather Ψ + backward all-gather (≤ Ψ: the root may stay whole) + reduce-scatter Ψ,
+            # every micro-step; nothing gathered after the step (the next forward gathers the new values)
+            assert rs_prepare == 0 and ag_after == 0
+            assert approx(rs_micro, micro_steps)
+            assert 1.75 * micro_steps * psi_bytes <= ag_micro <= 2 * micro_steps * (psi_bytes + pad), ag_micro
+            if accum == 1:
+                total = rs_micro + ag_micro
+                assert 2.75 * steps * psi_bytes <= total <= 3 * steps * (psi_bytes + pad)  # ≈ 3Ψ per step
+
+
+def unit_at_a_time_worker(rank, world_size, prefetch):
+    model = make_model(n_blocks=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=prefetch))
+    seen = []
+
+    def whole():
+        return [int(block.fc.weight.untyped_storage().nbytes() > 0) for block in model.blocks]
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda mod, args, i=i: seen.append(("forward", i, whole())))
+        block.fc.register_full_backward_hook(lambda mod, gi, go, i=i: seen.append(("backward", i, whole())))
+    for (tokens,) in make_batches(2, 1, 8):
+        optimizer.zero_grad()
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+        seen.append(("after backward", -1, whole()))
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_stage3_gathers_one_unit_at_a_time(prefetch):
+    """Stage 3 keeps whole only the unit computing now (and, with prefetch, the next one)."""
+    for rank, seen in enumerate(run_ranks(unit_at_a_time_worker, 2, prefetch, timeout_s=50)):
+        for phase, i, whole in seen:
+            if phase == "after backward":
+                assert sum(whole) == 0, (rank, phase, whole)
+                continue
+            assert whole[i] == 1, (rank, phase, i, whole)
+            assert sum(whole) <= (2 if prefetch else 1), (rank, phase, i, whole)
+            neighbour = i + 1 if phase == "forward" else i - 1
+            if sum(whole) == 2:
+                assert whole[neighbour] == 1, (rank, phase, i, whole)

@@ -1,0 +1,208 @@
+"""The main job (``examples/train.py``): configs compose and reject bad input early, the GPT and its data behave,
+and a tiny 2-process ZeRO run finishes and reports its perplexity."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from torch import nn
+
+from examples.data import CharDataModule
+from examples.gpt import GPT, GPTConfig, WarmupCosine
+from examples.schema import StrategyName, register_schemas
+from examples.train import build_strategy, check_strategy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO_ROOT / "examples" / "train.py"
+CORPUS = REPO_ROOT / "examples" / "data" / "corpus.txt"
+# Set by Lightning's launcher in a rank's environment; inherited, they would make the script think it is a rank.
+LAUNCH_ENV = ("LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "RANK")
+TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=8"]
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def run_train(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    return subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def tiny_gpt(*, lr_schedule: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32, lr_schedule=lr_schedule))
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@pytest.mark.timeout(30)
+def test_default_strategy_is_zero3() -> None:
+    cfg = compose_config([])
+    assert (cfg.strategy.name, cfg.strategy.stage) == (StrategyName.zero3, 3)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("suffix", ["", "_spawn"])
+def test_every_strategy_choice_composes_and_validates(stage: int, suffix: str) -> None:
+    cfg = compose_config([f"strategy=zero{stage}{suffix}", "trainer.devices=4"])
+    name, zero_config = check_strategy(cfg.strategy)
+    assert name.value == f"zero{stage}{suffix}"
+    assert zero_config.stage == stage
+    assert name.start_method == ("spawn" if suffix else "popen")
+    assert build_strategy(name, zero_config).config == zero_config  # every option reaches the strategy
+    assert cfg.trainer.devices == 4
+    assert cfg.data.block_size == cfg.model.block_size  # interpolated, so the two cannot drift apart
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("strategy.stage=7", "strategy.stage"),  # passes the schema (an int), refused by ZeroConfig
+        ("strategy.stage=2", "strategy.stage"),  # a real stage, but not the one strategy=zero3 names
+        ("trainer.foo=1", "trainer.foo"),  # not a key of the trainer schema
+        ("trainer.devices=two", "trainer.devices"),  # wrong type
+        ("model.n_head=5", "model.n_head"),  # does not divide n_embd
+    ],
+)
+def test_bad_override_exits_early_naming_the_key(override: str, key: str, tmp_path: Path) -> None:
+    result = run_train([override, f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, timeout=50)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert key in output
+    assert "Traceback" not in output
+    assert "Initializing distributed" not in output  # failed before any rank was started
+
+
+# -------------------------------------------------------------------------------------------------- model
+@pytest.mark.timeout(30)
+def test_gpt_shapes_tied_weight_and_initial_loss() -> None:
+    model = tiny_gpt()
+    idx = torch.randint(0, 61, (4, 16))
+    targets = torch.randint(0, 61, (4, 16))
+    logits = model(idx)
+    assert logits.shape == (4, 16, 61)
+    loss = model.loss(logits, targets)
+    # Small random init: close to a uniform guess over the vocabulary.
+    assert abs(loss.item() - math.log(61)) < 0.1
+    loss.backward()
+
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False) if p is model.tok_emb.weight]
+    assert tied == ["tok_emb.weight", "lm_head.weight"]
+    assert sum(p is model.tok_emb.weight for p in model.parameters()) == 1
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.timeout(30)
+def test_gpt_is_causal() -> None:
+    model = tiny_gpt().eval()
+    idx = torch.randint(0, 61, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 61
+    before, after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+@pytest.mark.timeout(30)
+def test_weight_decay_groups_survive_freed_parameters() -> None:
+    model = tiny_gpt(lr_schedule=False)
+
+    def group_ids() -> list[set[int]]:
+        optimizer = model.configure_optimizers()
+        assert isinstance(optimizer, torch.optim.AdamW)
+        return [{id(p) for p in group["params"]} for group in optimizer.param_groups]
+
+    decay, no_decay = group_ids()
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert decay == linear_weights - {id(model.tok_emb.weight)}
+    assert decay.isdisjoint(no_decay)
+    assert decay | no_decay == {id(p) for p in model.parameters()}
+    assert id(model.tok_emb.weight) in no_decay
+
+    # ZeRO-3 leaves parameters empty outside forward; the split must not depend on their shapes.
+    for param in model.parameters():
+        param.data = torch.empty(0)
+    assert group_ids() == [decay, no_decay]
+
+
+@pytest.mark.timeout(30)
+def test_warmup_cosine_multiplier() -> None:
+    schedule = WarmupCosine(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1)  # 1/10 of the way up
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(10) == pytest.approx(1.0)  # cosine starts at its top
+    assert schedule(60) == pytest.approx(0.55)  # half way down: the mean of 1 and 0.1
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(1000) == pytest.approx(0.1)  # stays at the floor past the end
+
+
+# --------------------------------------------------------------------------------------------------- data
+@pytest.mark.timeout(30)
+def test_char_data_module_vocabulary_and_windows() -> None:
+    text = CORPUS.read_text(encoding="utf-8")
+    data = CharDataModule(CORPUS, block_size=16, batch_size=4, val_fraction=0.1)
+    assert data.chars == sorted(set(text))
+    assert data.vocab_size == len(set(text))
+    assert data.decode(data.encode(text[:300])) == text[:300]
+
+    data.setup("fit")
+    assert data.train_set is not None and data.val_set is not None
+    inputs, targets = data.train_set[5]
+    assert data.decode(inputs) == text[5:21]
+    assert data.decode(targets) == text[6:22]
+    n_train = data.train_tokens.numel()
+    val_inputs, _ = data.val_set[2]  # validation windows do not overlap
+    assert data.decode(val_inputs) == text[n_train + 32 : n_train + 48]
+    assert data.decode(data.val_tokens) == text[n_train:]
+
+
+# ------------------------------------------------------------------------------------------------- main job
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["zero3", "zero1_spawn"])  # the default popen launcher (re-runs the script), spawn
+def test_tiny_run_reports_perplexity(strategy: str, tmp_path: Path) -> None:
+    """Two ranks started from another directory: a finished fit, a final report, one Hydra run dir for both."""
+    args = [
+        f"strategy={strategy}",
+        *TINY_MODEL,
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "model.warmup_steps=0",
+        "strategy.process_group_timeout_s=60",
+        "trainer.enable_progress_bar=false",
+    ]
+    result = run_train(args, cwd=tmp_path, timeout=80)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    match = re.search(r"final val_loss=([\d.]+) val_ppl=([\d.]+)", result.stdout)
+    assert match, result.stdout
+    val_loss, val_ppl = float(match.group(1)), float(match.group(2))
+    vocab_size = len(set(CORPUS.read_text(encoding="utf-8")))
+    assert val_ppl < vocab_size  # three steps already beat a uniform guess
+    assert val_ppl == pytest.approx(math.exp(val_loss), rel=0.05)
+
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1
+    logs = {p.name for p in run_dirs[0].iterdir()}
+    # With popen, rank 1 re-ran the script into rank 0's run dir (Lightning's Hydra handling).
+    assert "train.log" in logs
+    assert ("train_ddp_process_1.log" in logs) == (not strategy.endswith("_spawn"))

@@ -1,0 +1,175 @@
+"""Real ``Trainer`` fits on 2 CPU ranks (spawn launcher) against ``ddp_spawn`` with the same seeds and data.
+
+One fit per strategy is shared (module-scoped) by the tests that inspect it: the model has a tied embedding/
+output weight and a frozen middle block, uses ``accumulate_grad_batches=3`` with a partial last window (7 batches
+per rank and epoch), gradient clipping by norm, ``self.log(..., sync_dist=True)``, a torchmetrics metric and a
+validation loop.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import lit
+from helpers.lit import FROZEN, LitTiedLM, fit_lm, read_rank_files, state_of
+from helpers.models import assert_state_close, lm_loss
+from lightning.pytorch.strategies import DDPStrategy
+
+from zero_strategy import ZeroStrategy
+
+SPAWN_NAMES = ["zero1_spawn", "zero2_spawn", "zero3_spawn"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Lazily fitted runs by strategy name: (model in the main process, trainer, per-rank output dir)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            out_dir = tmp_path_factory.mktemp(name)
+            try:
+                model, trainer = fit_lm(name, str(out_dir))
+                cache[name] = (model, trainer, out_dir)
+            except Exception as error:  # a failed fit fails every test using it, without fitting again
+                cache[name] = error
+        if isinstance(cache[name], Exception):
+            pytest.fail(f"the {name} fit failed: {cache[name]!r}")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def initial_state():
+    pl.seed_everything(0, verbose=False)
+    return state_of(LitTiedLM())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", SPAWN_NAMES)
+def test_fit_matches_ddp(runs, name):
+    """After ``fit`` the main process's module holds full parameters equal to DDP's (accumulation with a partial
+    window, clipping, tied and frozen weights included)."""
+    ddp_model, _, ddp_dir = runs("ddp_spawn")
+    norms = read_rank_files(ddp_dir, "train")[0]["grad_norms"]
+    assert len(norms) == 6, "2 epochs x (3 + 3 + 1 micro-batches) must give 6 optimizer steps"
+    assert min(norms) > 2 * lit.CLIP, "DDP must actually clip for the comparison to cover clipping"
+    model, _, out_dir = runs(name)
+    assert [r["reports"]["global_step"] for r in read_rank_files(out_dir, "train")] == [6, 6]
+    assert_state_close(state_of(model), state_of(ddp_model), rel=1e-5, what=f"{name} vs ddp_spawn")
+
+
+@pytest.mark.timeout(150)
+def test_zero3_tied_and_frozen(runs, initial_state):
+    model, _, _ = runs("zero3_spawn")
+    assert model.net.head.weight is model.net.emb.weight
+    state = state_of(model)
+    for key, value in initial_state.items():
+        if key.startswith(FROZEN + "."):
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=f"frozen {key} changed")
+        else:
+            assert not torch.equal(state[key], value), f"{key} did not train"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", SPAWN_NAMES)
+def test_logging_is_synced_across_ranks(runs, name):
+    """Each rank sees a different half of the data; the logged epoch values are global means, as under DDP."""
+    _, trainer, _ = runs(name)
+    _, ddp_trainer, _ = runs("ddp_spawn")
+    metrics = trainer.callback_metrics
+    global_mean = (lit.N_TRAIN - 1) / 2  # mean sample index over the whole data set
+    rank0_mean = sum(range(0, lit.N_TRAIN, 2)) / (lit.N_TRAIN // 2)
+    assert abs(global_mean - rank0_mean) >= 0.5  # the check below distinguishes synced from local
+    assert metrics["idx_mean"].item() == pytest.approx(global_mean, abs=1e-6)
+    assert metrics["idx_metric"].item() == pytest.approx(global_mean, abs=1e-6)
+    for key in ("val_loss", "train_loss_epoch"):
+        assert metrics[key].item() == pytest.approx(ddp_trainer.callback_metrics[key].item(), rel=1e-5), key
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", SPAWN_NAMES)
+def test_distributed_sampler_splits_the_data(runs, name):
+    _, _, out_dir = runs(name)
+    seen = [r["seen"] for r in read_rank_files(out_dir, "train")]
+    for epoch in range(2):
+        rank0, rank1 = set(seen[0][epoch]), set(seen[1][epoch])
+        assert len(seen[0][epoch]) == len(seen[1][epoch]) == lit.N_TRAIN // 2
+        assert not rank0 & rank1
+        assert rank0 | rank1 == set(range(lit.N_TRAIN))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", SPAWN_NAMES)
+def test_memory_and_communication_reports(runs, name):
+    """The strategy's reports on each rank, held to ZeRO's numbers: Ψ_t trainable parameters (SGD momentum: 4Ψ_t
+    of state, sharded), 14 micro-steps and 6 optimizer steps per rank."""
+    model, _, out_dir = runs(name)
+    stage = int(name[4])
+    psi = sum(p.numel() for p in model.parameters())
+    psi_t = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    slack = 4 * 2 * 8  # padding: at most one element per unit and rank, 4 units, fp32, with margin
+    for rank, r in enumerate(read_rank_files(out_dir, "train")):
+        params, grads, state = r["reports"]["memory"]
+        assert abs(state - 4 * psi_t / 2) <= slack, (rank, state, 4 * psi_t / 2)
+        assert abs(grads - 4 * psi_t / 2) <= slack, (rank, grads)
+        expected_params = 4 * psi / 2 if stage == 3 else 4 * psi
+        assert abs(params - expected_params) <= slack, (rank, params, expected_params)
+        comm = r["reports"]["communication"]
+        micro_steps, steps = 14, 6
+        rs_expected = (steps if stage == 1 else micro_steps) * 4 * psi_t
+        assert rs_expected <= comm["reduce_scatter"] <= rs_expected * 1.02, (rank, comm, rs_expected)
+        # stage 3 params hold no storage on the module at the end of training (teardown has not run yet)
+        if stage == 3:
+            assert r["reports"]["param_storage_bytes"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_zero3_fit_then_test_and_predict(runs):
+    """``fit`` then ``test`` and ``predict`` on the same Trainer at stage 3: results equal a plain module with the
+    fitted weights."""
+    model, trainer, out_dir = runs("zero3_spawn")
+    ddp_model, _, _ = runs("ddp_spawn")
+    reference = LitTiedLM()
+    reference.load_state_dict(state_of(ddp_model))
+    tokens = lit.test_loader().dataset.tokens
+    with torch.no_grad():
+        expected_loss = lm_loss(reference.net, tokens).item()
+        expected_logits = reference.net(tokens)
+
+    results = trainer.test(model, lit.test_loader(), verbose=False)
+    assert results[0]["test_loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert results[0]["test_idx_mean"] == pytest.approx((lit.N_TEST - 1) / 2, abs=1e-6)
+
+    trainer.predict(model, lit.test_loader())
+    seen = []
+    for rank, predictions in enumerate(read_rank_files(out_dir, "predict")):
+        assert predictions, f"rank {rank} predicted nothing"
+        for idx, logits in predictions:
+            torch.testing.assert_close(logits, expected_logits[idx], rtol=1e-5, atol=1e-5)
+            seen.extend(idx.tolist())
+    assert sorted(seen) == list(range(lit.N_TEST))  # each rank predicted its own half
+
+    # testing and predicting did not change the weights
+    assert_state_close(state_of(model), state_of(ddp_model), rel=1e-5, what="after test/predict")
+
+
+@pytest.fixture(scope="module")
+def ddp_gan():
+    return lit.fit_gan(DDPStrategy(start_method="spawn", find_unused_parameters=True))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["zero1_spawn", "zero2_spawn"])
+def test_manual_optimization_gan_matches_ddp(ddp_gan, name):
+    """A GAN-like module (manual optimization, two optimizers, toggle_optimizer) matches ddp_spawn."""
+    got = lit.fit_gan(name)
+    assert_state_close(got, ddp_gan, rel=1e-5, what=f"GAN {name} vs ddp_spawn")
+
+
+@pytest.mark.timeout(60)
+def test_lbfgs_refused_with_clear_error():
+    with pytest.raises(Exception, match=r"cannot shard optimizer torch\.optim\.lbfgs\.LBFGS"):
+        fit_lm(ZeroStrategy(stage=2, start_method="spawn"), None, lit.LitTiedLMWithLBFGS, devices=1, max_epochs=1)
