@@ -12,11 +12,14 @@ from typing import Any
 
 
 class OffloadDevice(str, Enum):
-    """Where sharded state lives between uses: on the compute device, in host memory, or in files."""
+    """Where sharded state lives between uses: on the compute device, in host memory, or in files.
 
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
+    Member names are lower case like their values, because Hydra/OmegaConf parse enums from shell overrides by
+    member *name* (``strategy.offload_optimizer=cpu``)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
 
 
 class ZeroConfigError(ValueError):
@@ -50,11 +53,11 @@ class ZeroConfig:
     process_group_timeout_s: float = 1800.0
     """Seconds a collective may wait before the process group gives up (torch's default is 30 minutes)."""
 
-    offload_optimizer: OffloadDevice = OffloadDevice.NONE
+    offload_optimizer: OffloadDevice = OffloadDevice.none
     """Where the fp32 master slices, their gradients and the optimizer state live: "none" (compute device),
     "cpu" (host memory; the optimizer steps on the CPU) or "nvme" (files under nvme_path, stepped in chunks)."""
 
-    offload_param: OffloadDevice = OffloadDevice.NONE
+    offload_param: OffloadDevice = OffloadDevice.none
     """Stage 3: where the parameter slices wait between gathers: "none" (compute device), "cpu" or "nvme"
     (requires offload_optimizer="nvme": the slices are read from the master files)."""
 
@@ -99,19 +102,19 @@ class ZeroConfig:
                 setattr(self, key, OffloadDevice(value.value if isinstance(value, OffloadDevice) else value))
             except ValueError:
                 raise ZeroConfigError(f"{key}={value!r}: use 'none', 'cpu' or 'nvme'.") from None
-        if self.offload_param is not OffloadDevice.NONE and self.stage != 3:
+        if self.offload_param is not OffloadDevice.none and self.stage != 3:
             raise ZeroConfigError(
                 f"offload_param={self.offload_param.value!r} needs stage=3 (stages 1/2 keep full parameters on "
                 "every rank); use stage=3 or offload_optimizer instead."
             )
-        if OffloadDevice.NVME in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+        if OffloadDevice.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ZeroConfigError('"nvme" offload needs nvme_path=<a directory on a fast local disk>.')
-        if self.offload_param is not OffloadDevice.NONE and self.offload_optimizer is OffloadDevice.NONE:
+        if self.offload_param is not OffloadDevice.none and self.offload_optimizer is OffloadDevice.none:
             raise ZeroConfigError(
                 f"offload_param={self.offload_param.value!r} needs offload_optimizer too: at stage 3 the parameter "
                 "slices are the fp32 master slices the optimizer steps, so they move together."
             )
-        if self.offload_param is OffloadDevice.NVME and self.offload_optimizer is not OffloadDevice.NVME:
+        if self.offload_param is OffloadDevice.nvme and self.offload_optimizer is not OffloadDevice.nvme:
             raise ZeroConfigError(
                 'offload_param="nvme" reads parameter slices from the master files: set offload_optimizer="nvme" too.'
             )

@@ -17,7 +17,7 @@ from torch import nn
 from examples.data import CharDataModule
 from examples.gpt import GPT, GPTConfig, WarmupCosine
 from examples.schema import StrategyName, register_schemas
-from examples.train import build_strategy, check_strategy
+from examples.train import build_precision, build_strategy, check_strategy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO_ROOT / "examples" / "train.py"
@@ -67,7 +67,10 @@ def test_every_strategy_choice_composes_and_validates(stage: int, suffix: str) -
     assert name.value == f"zero{stage}{suffix}"
     assert zero_config.stage == stage
     assert name.start_method == ("spawn" if suffix else "popen")
-    assert build_strategy(name, zero_config).config == zero_config  # every option reaches the strategy
+    precision = build_precision(cfg)
+    strategy = build_strategy(name, zero_config, cfg, precision)
+    assert strategy.config == zero_config  # every option reaches the strategy
+    assert strategy.precision_plugin is precision
     assert cfg.trainer.devices == 4
     assert cfg.data.block_size == cfg.model.block_size  # interpolated, so the two cannot drift apart
 
@@ -81,6 +84,10 @@ def test_every_strategy_choice_composes_and_validates(stage: int, suffix: str) -
         ("trainer.foo=1", "trainer.foo"),  # not a key of the trainer schema
         ("trainer.devices=two", "trainer.devices"),  # wrong type
         ("model.n_head=5", "model.n_head"),  # does not divide n_embd
+        ("precision.loss_scale_window=0", "precision.loss_scale_window"),  # refused by ZeroPrecision
+        ("precision.precision=64-true", "precision"),  # not a ZeRO precision
+        ("strategy.offload_optimizer=tape", "strategy.offload_optimizer"),  # not an OffloadDevice
+        ("strategy=deepspeed", "strategy.config"),  # the DeepSpeed entry needs its config file
     ],
 )
 def test_bad_override_exits_early_naming_the_key(override: str, key: str, tmp_path: Path) -> None:
@@ -90,6 +97,39 @@ def test_bad_override_exits_early_naming_the_key(override: str, key: str, tmp_pa
     assert key in output
     assert "Traceback" not in output
     assert "Initializing distributed" not in output  # failed before any rank was started
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["precision=bf16"], ("bf16-mixed", 2**16, "none")),
+        (["precision=fp16", "precision.loss_scale_window=50", "precision.initial_scale_power=8"],
+         ("16-mixed", 2.0**8, "none")),
+        (["strategy=zero3_offload", "precision=fp32"], ("32-true", 1.0, "cpu")),
+        (["strategy=zero2", "strategy.offload_optimizer=cpu"], ("32-true", 1.0, "cpu")),
+    ],
+)
+def test_precision_and_offload_overrides_reach_the_plugin(overrides: list[str], expected: tuple) -> None:
+    cfg = compose_config(overrides)
+    name, zero_config = check_strategy(cfg.strategy)
+    strategy = build_strategy(name, zero_config, cfg, build_precision(cfg))
+    plugin = strategy.precision_plugin
+    assert (plugin.precision, plugin.loss_scale if plugin.scaler else 1.0, strategy.config.offload_optimizer.value) == (
+        expected[0], expected[1] if plugin.scaler else 1.0, expected[2]
+    )
+
+
+@pytest.mark.timeout(30)
+def test_deepspeed_entry_builds_the_strategy_from_the_json(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 1}, "fp16": {"enabled": true, "hysteresis": 3}}')
+    cfg = compose_config(["strategy=deepspeed", f"strategy.config={ds}"])
+    name, zero_config = check_strategy(cfg.strategy)
+    strategy = build_strategy(name, zero_config, cfg, build_precision(cfg))
+    assert strategy.config.stage == 1
+    assert strategy.precision_plugin.precision == "16-mixed"
+    assert strategy.precision_plugin.scaler.config.hysteresis == 3
 
 
 # -------------------------------------------------------------------------------------------------- model

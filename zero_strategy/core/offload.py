@@ -92,12 +92,12 @@ class Placement:
 
     @property
     def host_shards(self) -> bool:
-        return self.optimizer is not OffloadDevice.NONE
+        return self.optimizer is not OffloadDevice.none
 
     @property
     def keeps_device_gather_source(self) -> bool:
         """Stage 3 with offloaded masters but parameters on the device: keep a compute-dtype copy there."""
-        return self.host_shards and self.param is OffloadDevice.NONE
+        return self.host_shards and self.param is OffloadDevice.none
 
     def after_host_read(self) -> None:
         """A gather read the file-backed slices: let their pages go (see [Note: nvme offload])."""
@@ -105,10 +105,10 @@ class Placement:
             self.store.release_pages()
 
     def shard_buffer(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
-        if self.optimizer is OffloadDevice.NVME:
+        if self.optimizer is OffloadDevice.nvme:
             assert self.store is not None
             return self.store.tensor(name, numel, dtype)
-        if self.optimizer is OffloadDevice.CPU:
+        if self.optimizer is OffloadDevice.cpu:
             pin = self.pin_memory and self.compute_device.type == "cuda"
             return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
         return torch.zeros(numel, dtype=dtype, device=self.compute_device)
@@ -200,11 +200,11 @@ def _store_chunk_state(
 
 def make_placement(config: ZeroConfig, module: nn.Module, plans: list[UnitPlan], rank: int) -> Placement | None:
     """The offload placement for this run, or None; checks the nvme path's space before anything is written."""
-    if config.offload_optimizer is OffloadDevice.NONE and config.offload_param is OffloadDevice.NONE:
+    if config.offload_optimizer is OffloadDevice.none and config.offload_param is OffloadDevice.none:
         return None
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     store = None
-    if OffloadDevice.NVME in (config.offload_optimizer, config.offload_param):
+    if OffloadDevice.nvme in (config.offload_optimizer, config.offload_param):
         assert config.nvme_path is not None
         numel = sum(p.numel() for plan in plans for _, p in plan.named_params)
         # this rank's masters (1/N of the model) plus up to three state tensors of the same size (Adam has two)

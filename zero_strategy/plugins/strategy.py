@@ -423,9 +423,20 @@ def install_precision_selection() -> None:
         return
 
     def check_and_init_precision(self: _AcceleratorConnector) -> Precision:
-        if isinstance(self.strategy, ZeroStrategy) and not isinstance(self._precision_plugin_flag, Precision):
+        strategy = self.strategy
+        if not isinstance(strategy, ZeroStrategy) or isinstance(self._precision_plugin_flag, Precision):
+            return original(self)
+        own = strategy._precision_plugin  # given to the strategy itself (e.g. from a DeepSpeed config)
+        if own is None:
             return ZeroPrecision(self._precision_flag)
-        return original(self)
+        flag = ZeroPrecision(self._precision_flag).precision
+        # The Trainer's precision defaults to "32-true", indistinguishable from an explicit "32-true".
+        if flag not in ("32-true", own.precision):
+            raise ValueError(
+                f"precision requested twice: Trainer(precision={self._precision_flag!r}) and the strategy's "
+                f"ZeroPrecision({own.precision!r}); set it in one place."
+            )
+        return own
 
     check_and_init_precision._zero_strategy = True  # type: ignore[attr-defined]
     _AcceleratorConnector._check_and_init_precision = check_and_init_precision  # type: ignore[method-assign]

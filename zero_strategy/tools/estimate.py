@@ -212,26 +212,26 @@ class _Setup:
     @property
     def has_placement(self) -> bool:
         """The engine builds a ``Placement`` (and never aliases the master) once anything is offloaded."""
-        return OffloadDevice.NONE is not self.offload_optimizer or OffloadDevice.NONE is not self.offload_param
+        return OffloadDevice.none is not self.offload_optimizer or OffloadDevice.none is not self.offload_param
 
     @property
     def device_source(self) -> bool:
         """Offloaded masters, parameters not offloaded, on a GPU: a compute-dtype slice copy stays on the device."""
-        offloaded = self.offload_optimizer is not OffloadDevice.NONE
-        return self.accelerator and offloaded and self.offload_param is OffloadDevice.NONE
+        offloaded = self.offload_optimizer is not OffloadDevice.none
+        return self.accelerator and offloaded and self.offload_param is OffloadDevice.none
 
     def aliases(self, flat: FlatSpec) -> bool:
         """Stages 1/2: the master slice is a view of ``full`` when both have one dtype and nothing is offloaded."""
         return self.stage < 3 and flat.compute_dtype == flat.master_dtype and not self.has_placement
 
     def master_at(self, nbytes: int) -> Placed:
-        if self.offload_optimizer is OffloadDevice.NVME:
+        if self.offload_optimizer is OffloadDevice.nvme:
             return Placed(nvme=nbytes)
-        return Placed(host=nbytes) if self.offload_optimizer is OffloadDevice.CPU else Placed(device=nbytes)
+        return Placed(host=nbytes) if self.offload_optimizer is OffloadDevice.cpu else Placed(device=nbytes)
 
     def grad_slice_at(self, nbytes: int) -> Placed:
         # piece.grad is created on the master's device: a file-backed master is a host tensor, so nvme -> host
-        return Placed(device=nbytes) if self.offload_optimizer is OffloadDevice.NONE else Placed(host=nbytes)
+        return Placed(device=nbytes) if self.offload_optimizer is OffloadDevice.none else Placed(host=nbytes)
 
 
 def _parameters(shape: ModelShape, s: _Setup) -> Placed:
@@ -261,7 +261,7 @@ def _gradients(shape: ModelShape, s: _Setup) -> Placed:
 def _optimizer_state(shape: ModelShape, s: _Setup) -> Placed:
     masters = sum(f.shard(s.world_size) * f.master_dtype.itemsize for f in shape.flats if f.trainable)
     state = s.master_at(masters * s.state_bytes // 4)  # the state has the masters' dtype
-    if s.offload_optimizer is OffloadDevice.NVME:  # one chunk of masters + state resident while it steps
+    if s.offload_optimizer is OffloadDevice.nvme:  # one chunk of masters + state resident while it steps
         state = state + Placed(host=min(4 * s.nvme_chunk_numel, masters) * (4 + s.state_bytes) // 4)
     return state
 
@@ -275,7 +275,7 @@ def _gather_staging(f: FlatSpec, s: _Setup) -> int:
         return shard * f.master_dtype.itemsize
     if s.device_source:
         return 0
-    moved = s.accelerator and s.offload_optimizer is not OffloadDevice.NONE
+    moved = s.accelerator and s.offload_optimizer is not OffloadDevice.none
     return shard * f.compute_dtype.itemsize if moved or f.compute_dtype != f.master_dtype else 0
 
 
@@ -297,16 +297,16 @@ def _communication(shape: ModelShape, s: _Setup) -> Placed:
 
 
 def _notes(shape: ModelShape, s: _Setup, activations_known: bool) -> tuple[str, ...]:
-    offloaded = s.offload_optimizer is not OffloadDevice.NONE
+    offloaded = s.offload_optimizer is not OffloadDevice.none
     prefetched = " + the prefetched one" if s.prefetch else ""
     candidates = (
         (any(s.aliases(f) for f in shape.flats), "fp32 stages 1/2: the master slice is a view of the parameters"),
         (s.stage == 1, "stage 1 keeps full-size fp32 gradients until the step (paper: 2Ψ in mixed precision)"),
         (s.stage == 3, f"stage 3: root unit + the unit computing{prefetched} are whole in forward/backward"),
         (s.device_source, "offloaded masters on a GPU: a compute-dtype copy of the slice (cΨ/N) stays on the device"),
-        (s.offload_optimizer is OffloadDevice.NVME, "nvme: gradient slices stay in host memory; one chunk of "
+        (s.offload_optimizer is OffloadDevice.nvme, "nvme: gradient slices stay in host memory; one chunk of "
          "masters+state is resident while stepping"),
-        (s.offload_param is not OffloadDevice.NONE and not offloaded,
+        (s.offload_param is not OffloadDevice.none and not offloaded,
          "offload_param without offload_optimizer: the slices stay on the device (no effect)"),
         (shape.guessed_units, "unit sizes guessed from a transformer shape: pass largest_unit_numel / root_unit_numel"),
         (not activations_known, "activations not included: pass a model and sample_batch (or activation_bytes)"),

@@ -1,0 +1,1 @@
+"""Examples of zero_strategy: a character-level GPT trained with ZeRO (run ``examples/train.py``)."""
