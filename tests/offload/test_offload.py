@@ -133,3 +133,47 @@ def test_nvme_offload_halves_resident_memory_of_an_optimizer_heavy_model(tmp_pat
     )
     for rank in range(2):
         assert nvme[rank] <= 0.5 * plain[rank], (plain, nvme)
+
+
+def train_with_checkpoint(rank: int, world: int, options: dict, path: str, mode: str) -> dict[str, torch.Tensor]:
+    """4 AdamW steps; mode "save" checkpoints after step 2, "load" starts from that checkpoint."""
+    from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
+    from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
+    from zero_strategy.checkpoint.reader import ShardedCheckpoint
+    from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, min_unit_numel=10**9, **options))
+    data = torch.randn(4, 8, 48, generator=torch.Generator().manual_seed(1))
+    start = 0
+    if mode == "load":
+        with ShardedCheckpoint(path) as ckpt:
+            check_compatible(engine, ckpt, strict=True, with_optimizer=True)
+            load_weights(engine, ckpt)
+            load_optimizer_state(engine, ckpt, ckpt.trainer_state()[PARAM_GROUPS_KEY])
+        start = 2
+    for index in range(start, 4):
+        if mode == "save" and index == 2:
+            save_sharded(engine, path, {"optimizer_states": []}, SaveInfo("32-true", {}, {}))
+        opt.zero_grad()
+        model(data[index][rank * 4 : (rank + 1) * 4]).pow(2).mean().backward()
+        engine.prepare_step(opt)
+        engine.step(opt)
+        engine.after_step(opt)
+    engine.release()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_offloaded_runs_save_and_resume_exactly(tmp_path: Path) -> None:
+    """A checkpoint written by an nvme-offloaded run resumes bit-identically offloaded (nvme or cpu) and plain."""
+    nvme = {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(tmp_path / "files"),
+            "nvme_chunk_numel": 1024}
+    path = str(tmp_path / "ck")
+    uninterrupted = run_ranks(train_with_checkpoint, 2, nvme, path, "save", timeout_s=60)[0]
+    for options in (nvme, {"offload_optimizer": "cpu"}, {}):
+        resumed = run_ranks(train_with_checkpoint, 2, options, path, "load", timeout_s=60)[0]
+        for key, value in uninterrupted.items():
+            assert torch.equal(resumed[key], value), (options, key)

@@ -98,7 +98,22 @@ def load_optimizer_state(engine: ZeroEngine, ckpt: ShardedCheckpoint, param_grou
         for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
             state = _piece_state(engine, ckpt, flat, offset, piece)
             if state:
-                optimizer.state[piece] = state
+                optimizer.state[piece] = _to_offload_files(engine, piece, state)
+    if engine.placement is not None and engine.placement.store is not None:
+        engine.placement.store.release_pages()
+
+
+def _to_offload_files(engine: ZeroEngine, piece: nn.Parameter, state: dict[str, object]) -> dict[str, object]:
+    """With nvme offload, loaded element-wise state goes into files like the state the optimizer creates."""
+    store = engine.placement.store if engine.placement is not None else None
+    if store is None:
+        return state
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            backed = store.tensor(f"state-{id(piece)}-{key}", piece.numel(), value.dtype).view_as(piece)
+            backed.copy_(value)
+            state[key] = backed
+    return state
 
 
 def _piece_state(
