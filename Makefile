@@ -19,7 +19,7 @@ train: setup
 
 lint: setup
 	$(BIN)/ruff check zero_strategy tests examples
-	$(BIN)/mypy zero_strategy
+	$(BIN)/mypy zero_strategy examples
 
 test: lint
 	$(BIN)/python -m pytest -q

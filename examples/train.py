@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import zero_strategy  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.run_summary import MeasureRun, append_summary  # noqa: E402
 from examples.schema import StrategyName, StrategySchema, register_schemas  # noqa: E402
 from zero_strategy.config import ZeroConfig  # noqa: E402
 
@@ -159,9 +160,11 @@ def main(cfg: DictConfig) -> None:
     data = build_data(cfg)
     model = GPT(build_model_config(cfg, data.vocab_size))
     say(f"GPT: {model.num_parameters() / 1e6:.2f} M parameters, vocab {data.vocab_size}; strategy {name.value}")
+    run_dir = HydraConfig.get().runtime.output_dir
     trainer = Trainer(
         strategy=build_strategy(name, zero_config, cfg, precision),
-        default_root_dir=HydraConfig.get().runtime.output_dir,
+        default_root_dir=run_dir,
+        callbacks=[MeasureRun(run_dir)],
         **OmegaConf.to_container(cfg.trainer),  # type: ignore[arg-type]
     )
     start = time.perf_counter()
@@ -170,6 +173,14 @@ def main(cfg: DictConfig) -> None:
     metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
     say(f"fit: {fit_s:.1f} s, {cfg.trainer.devices * cfg.trainer.num_nodes} rank(s)")
     say(f"final val_loss={metrics['val_loss']:.4f} val_ppl={metrics['val_ppl']:.3f}")
+    if trainer.is_global_zero:
+        # one row per run; in a sweep (-m) the rows of all runs share the sweep directory's summary.md
+        hydra_cfg = HydraConfig.get()
+        multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
+        summary_dir = Path(hydra_cfg.sweep.dir) if multirun else Path(run_dir)
+        label = ",".join(hydra_cfg.overrides.task) or "defaults"
+        table = append_summary(summary_dir, Path(run_dir), label, metrics["val_loss"], metrics["val_ppl"])
+        say(f"summary: {table}")
 
 
 if __name__ == "__main__":

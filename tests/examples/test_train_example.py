@@ -1,6 +1,7 @@
 """The main job (``examples/train.py``): configs compose and reject bad input early, the GPT and its data behave,
 and a tiny 2-process ZeRO run finishes and reports its perplexity."""
 
+import json
 import math
 import os
 import re
@@ -246,3 +247,30 @@ def test_tiny_run_reports_perplexity(strategy: str, tmp_path: Path) -> None:
     # With popen, rank 1 re-ran the script into rank 0's run dir (Lightning's Hydra handling).
     assert "train.log" in logs
     assert ("train_ddp_process_1.log" in logs) == (not strategy.endswith("_spawn"))
+
+
+@pytest.mark.timeout(150)
+def test_sweep_writes_a_summary_comparing_the_runs(tmp_path: Path) -> None:
+    """``-m strategy=zero1_spawn,zero3_spawn``: both runs finish and one summary.md compares them; zero3 holds
+    half the parameter bytes of zero1 per rank (2 ranks), with the same final loss."""
+    args = [
+        "-m",
+        "strategy=zero1_spawn,zero3_spawn",
+        *TINY_MODEL,
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "model.warmup_steps=0",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_checkpointing=false",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    result = run_train(args, cwd=tmp_path, timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "sweep" / "summary.jsonl").read_text().splitlines()]
+    assert [("zero1_spawn" in r["run"], "zero3_spawn" in r["run"]) for r in rows] == [(True, False), (False, True)]
+    zero1, zero3 = rows
+    assert zero3["parameters"] < 0.6 * zero1["parameters"]
+    assert zero3["optimizer_state"] == zero1["optimizer_state"]
+    assert zero3["val_loss"] == pytest.approx(zero1["val_loss"], rel=1e-4)
+    table = (tmp_path / "sweep" / "summary.md").read_text()
+    assert table.count("\n| strategy=") == 2
