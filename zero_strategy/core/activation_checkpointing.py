@@ -21,6 +21,18 @@ CheckpointPolicy = Callable[[nn.Module], bool]
 _ORIGINAL_FORWARD = "_zero_original_forward"
 
 
+class ModuleClassPolicy:
+    """Selects modules by class or class name (a class, not a closure, so a spawn launcher can pickle it)."""
+
+    def __init__(self, classes: tuple[type[nn.Module], ...], names: frozenset[str]) -> None:
+        self.classes = classes
+        self.names = names
+
+    def __call__(self, module: nn.Module) -> bool:
+        kind = type(module)
+        return isinstance(module, self.classes) or kind.__name__ in self.names or kind.__qualname__ in self.names
+
+
 def make_policy(spec: Sequence[str | type[nn.Module]] | CheckpointPolicy | None) -> CheckpointPolicy | None:
     """Module classes, class names, or a callable ``module -> bool``; None or empty: no checkpointing."""
     if spec is None or (isinstance(spec, Sequence) and len(spec) == 0):
@@ -29,12 +41,7 @@ def make_policy(spec: Sequence[str | type[nn.Module]] | CheckpointPolicy | None)
         return spec
     items = [spec] if isinstance(spec, (str, type)) else list(spec)
     classes = tuple(item for item in items if isinstance(item, type))
-    names = {item for item in items if isinstance(item, str)}
-
-    def policy(module: nn.Module) -> bool:
-        return isinstance(module, classes) or type(module).__name__ in names or type(module).__qualname__ in names
-
-    return policy
+    return ModuleClassPolicy(classes, frozenset(item for item in items if isinstance(item, str)))
 
 
 def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy, offload_to_cpu: bool) -> int:

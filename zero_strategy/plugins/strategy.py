@@ -299,7 +299,11 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty: parameters and buffers are written by each rank into its shard, never gathered for saving."""
+        """Empty while sharded: parameters and buffers are written by each rank into its shard, never gathered.
+        Unsharded (after teardown, e.g. in the main process after a spawn-launched fit) the module holds full
+        parameters and the checkpoint becomes a plain single-file Lightning checkpoint."""
+        if self._engine is None and self.lightning_module is not None:
+            return self.lightning_module.state_dict()
         return {}
 
     @override
