@@ -74,6 +74,10 @@ class ZeroConfig:
     """Class names of modules whose forward is recomputed in backward instead of keeping its activations
     (non-reentrant torch checkpointing). ZeroStrategy also accepts classes or a policy callable."""
 
+    profile: bool = False
+    """Add a CommunicationProfiler: per-step compute vs. unhidden communication time, bytes and bandwidth per
+    collective, logged to the Trainer's loggers and summarised when fit ends."""
+
     cpu_checkpointing: bool = False
     """With activation checkpointing on a GPU, keep the checkpointed inputs in host memory."""
 

@@ -6,8 +6,11 @@ tests; a ring implementation puts (N-1)/N of that on each rank's wire.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,14 +31,26 @@ class CommunicationLog:
 
     bytes_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Time this rank was blocked in collectives of each kind: communication *not* hidden behind compute (on a
+    GPU, where NCCL runs on its own stream, this is the host-side time only)."""
 
     def record(self, kind: str, nbytes: int) -> None:
         self.bytes_by_kind[kind] += nbytes
         self.calls_by_kind[kind] += 1
 
+    @contextmanager
+    def blocking(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds_by_kind[kind] += time.perf_counter() - start
+
     def reset(self) -> None:
         self.bytes_by_kind.clear()
         self.calls_by_kind.clear()
+        self.seconds_by_kind.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes_by_kind)
@@ -46,10 +61,15 @@ class PendingGather(NamedTuple):
 
     work: dist.Work | None
     output: Tensor
+    log: CommunicationLog | None = None
 
     def wait(self) -> Tensor:
         if self.work is not None:
-            self.work.wait()
+            if self.log is None:
+                self.work.wait()
+            else:
+                with self.log.blocking("all_gather"):  # only what prefetching did not hide
+                    self.work.wait()
         return self.output
 
 
@@ -65,8 +85,9 @@ def all_gather_flat(
     if _world(group) == 1:
         output.copy_(shard)
         return PendingGather(None, output)
-    work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
-    return PendingGather(work if async_op else None, output)
+    with log.blocking("all_gather"):
+        work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return PendingGather(work if async_op else None, output, log)
 
 
 def reduce_scatter_mean(flat: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
@@ -77,7 +98,8 @@ def reduce_scatter_mean(flat: Tensor, group: ProcessGroup, log: CommunicationLog
     if world == 1:
         shard.copy_(flat)
         return shard
-    dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group)
+    with log.blocking("reduce_scatter"):
+        dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group)
     shard.div_(world)
     return shard
 
@@ -86,7 +108,8 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
     """Sum ``tensor`` in place over ranks (scalars: norms, overflow flags)."""
     log.record("all_reduce", tensor.numel() * tensor.element_size())
     if _world(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        with log.blocking("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -94,7 +117,8 @@ def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: Communica
     """Overwrite ``tensor`` in place with rank ``src``'s copy (``src`` is a global rank)."""
     log.record("broadcast", tensor.numel() * tensor.element_size())
     if _world(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        with log.blocking("broadcast"):
+            dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 

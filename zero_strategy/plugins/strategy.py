@@ -47,6 +47,7 @@ from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.plugins.profiler import CommunicationProfiler
 from zero_strategy.tools.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 
 
@@ -200,6 +201,9 @@ class ZeroStrategy(ParallelStrategy):
         self.model_to_device()
         if self.deepspeed_import is not None:
             apply_clipping(self.deepspeed_import, trainer)
+        callbacks: list = trainer.callbacks  # type: ignore[attr-defined]
+        if self.config.profile and not any(isinstance(c, CommunicationProfiler) for c in callbacks):
+            callbacks.append(CommunicationProfiler())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self._shard_model()
