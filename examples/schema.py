@@ -16,6 +16,7 @@ from omegaconf import II, MISSING
 
 from examples.gpt import GPTConfig
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.loss_scaler import LossScalerConfig
 
 
 class StrategyName(Enum):
@@ -64,18 +65,12 @@ class StrategySchema(ZeroConfig):
 
 
 @dataclass(kw_only=True)
-class PrecisionSchema:
-    """The ``precision`` group: :class:`zero_strategy.ZeroPrecision` and DeepSpeed's loss-scale knobs."""
+class PrecisionSchema(LossScalerConfig):
+    """The ``precision`` group: :class:`zero_strategy.ZeroPrecision`; the loss-scale knobs (DeepSpeed's names and
+    defaults) are inherited from the library's :class:`~zero_strategy.core.loss_scaler.LossScalerConfig`."""
 
     precision: str = "32-true"
     """"32-true", "bf16-mixed" or "16-mixed"."""
-    loss_scale: float = 0.0
-    """fp16: 0 is dynamic loss scaling, > 0 a static scale."""
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
     reduce_dtype: str | None = None
     """Dtype gradients are reduced in: "fp32" (default), "bf16" or "fp16"."""
 

@@ -16,6 +16,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from zero_strategy.core.class_patch import override_method, restore_class
+
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
         "torch.optim.sgd.SGD",
@@ -105,33 +107,24 @@ def carve_state(param_state: dict[str, Any], param: Tensor, start: int, count: i
 # and Lightning's LightningOptimizer calls the optimizer *class's* method, so the optimizer gets a subclass whose
 # zero_grad also runs the engine's callback; release() restores the class.
 _ZERO_GRAD_CALLBACKS: weakref.WeakKeyDictionary[Optimizer, Callable[[], None]] = weakref.WeakKeyDictionary()
-_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def _zero_grad_with_callback(original: Any) -> Callable[..., None]:
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        raw = getattr(self, "_optimizer", self)  # a LightningOptimizer wraps the real one
+        original.zero_grad(raw, set_to_none=set_to_none)
+        hook = _ZERO_GRAD_CALLBACKS.get(raw)
+        if hook is not None:
+            hook()
+
+    return zero_grad
 
 
 def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -> None:
-    original = type(optimizer)
-    if original not in _HOOKED_CLASSES.values():
-        if original not in _HOOKED_CLASSES:
-
-            def zero_grad(self: Any, set_to_none: bool = True) -> None:
-                raw = getattr(self, "_optimizer", self)  # a LightningOptimizer wraps the real one
-                original.zero_grad(raw, set_to_none=set_to_none)
-                hook = _ZERO_GRAD_CALLBACKS.get(raw)
-                if hook is not None:
-                    hook()
-
-            namespace = {
-                "zero_grad": zero_grad,
-                "__module__": original.__module__,
-                "__qualname__": original.__qualname__,
-            }
-            _HOOKED_CLASSES[original] = type(original.__name__, (original,), namespace)
-        optimizer.__class__ = _HOOKED_CLASSES[original]
+    override_method(optimizer, "zero_grad", _zero_grad_with_callback)
     _ZERO_GRAD_CALLBACKS[optimizer] = callback
 
 
 def remove_zero_grad_hook(optimizer: Optimizer) -> None:
-    for original, hooked in _HOOKED_CLASSES.items():
-        if type(optimizer) is hooked:
-            optimizer.__class__ = original
+    restore_class(optimizer)
     _ZERO_GRAD_CALLBACKS.pop(optimizer, None)

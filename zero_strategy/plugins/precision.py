@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from zero_strategy.core.class_patch import override_method, restore_class
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
@@ -217,37 +218,26 @@ class ZeroPrecision(Precision):
 # scheduler -> the plugin's "last step skipped" flags. Kept outside the scheduler: anything stored on it would end
 # up in its state_dict (LRScheduler.state_dict returns its __dict__) and in every checkpoint.
 _SKIP_FLAGS: weakref.WeakKeyDictionary[Any, dict[int, bool]] = weakref.WeakKeyDictionary()
-_SKIP_AWARE_CLASSES: dict[type, type] = {}
 
 
-def _make_skip_aware(scheduler: Any, skipped_last: dict[int, bool]) -> None:
-    """Give ``scheduler`` a subclass whose ``step`` does nothing right after its optimizer skipped a step.
-
-    A subclass rather than an instance attribute, so the scheduler's state_dict (its ``__dict__``) is unchanged;
-    :func:`_restore_scheduler` puts the original class back at teardown.
-    """
-    original = type(scheduler)
-    if original in _SKIP_AWARE_CLASSES.values():
-        _SKIP_FLAGS[scheduler] = skipped_last
-        return
-
+def _skip_aware_step(original: Any) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        flags = _SKIP_FLAGS.get(self, {})
-        if flags.pop(id(self.optimizer), False):
+        if _SKIP_FLAGS.get(self, {}).pop(id(self.optimizer), False):
             return None  # the optimizer did not step: neither does its schedule
         return original.step(self, *args, **kwargs)
 
-    if original not in _SKIP_AWARE_CLASSES:
-        namespace = {"step": step, "__module__": original.__module__, "__qualname__": original.__qualname__}
-        _SKIP_AWARE_CLASSES[original] = type(original.__name__, (original,), namespace)
-    scheduler.__class__ = _SKIP_AWARE_CLASSES[original]
+    return step
+
+
+def _make_skip_aware(scheduler: Any, skipped_last: dict[int, bool]) -> None:
+    """Give ``scheduler`` a ``step`` that does nothing right after its optimizer skipped a step — through a
+    subclass (see core/class_patch.py), so its state_dict is unchanged; teardown restores the class."""
+    override_method(scheduler, "step", _skip_aware_step)
     _SKIP_FLAGS[scheduler] = skipped_last
 
 
 def _restore_scheduler(scheduler: Any) -> None:
-    for original, aware in _SKIP_AWARE_CLASSES.items():
-        if type(scheduler) is aware:
-            scheduler.__class__ = original
+    restore_class(scheduler)
     _SKIP_FLAGS.pop(scheduler, None)
 
 
