@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from offload.test_offload import measure_in_fresh_process
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.core.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -98,7 +99,7 @@ def kept_for_backward(rank: int, world: int, checkpointing: bool) -> int:
 
 @pytest.mark.timeout(90)
 def test_checkpointing_halves_memory_kept_for_backward() -> None:
-    plain = run_ranks(kept_for_backward, 2, False, timeout_s=60)
-    recomputed = run_ranks(kept_for_backward, 2, True, timeout_s=60)
+    plain = measure_in_fresh_process("test_activation_checkpointing.kept_for_backward", False)
+    recomputed = measure_in_fresh_process("test_activation_checkpointing.kept_for_backward", True)
     for rank in range(2):
         assert recomputed[rank] <= 0.5 * plain[rank], (plain, recomputed)
