@@ -274,3 +274,20 @@ def test_sweep_writes_a_summary_comparing_the_runs(tmp_path: Path) -> None:
     assert zero3["val_loss"] == pytest.approx(zero1["val_loss"], rel=1e-4)
     table = (tmp_path / "sweep" / "summary.md").read_text()
     assert table.count("\n| strategy=") == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "choice",
+    [f"strategy={p.stem}" for p in sorted((REPO_ROOT / "conf" / "strategy").glob("*.yaml"))]
+    + [f"precision={p.stem}" for p in sorted((REPO_ROOT / "conf" / "precision").glob("*.yaml"))],
+)
+def test_every_config_in_conf_composes_and_instantiates(choice: str, tmp_path: Path) -> None:
+    overrides = [choice]
+    if choice.startswith("strategy=deepspeed"):
+        overrides.append(f"strategy.config={REPO_ROOT / 'examples' / 'ds_config.json'}")
+    cfg = compose_config(overrides)
+    name, zero_config = check_strategy(cfg.strategy)
+    strategy = build_strategy(name, zero_config, cfg, build_precision(cfg))
+    assert strategy.config.stage in (1, 2, 3)
+    assert strategy.precision_plugin.precision in ("32-true", "bf16-mixed", "16-mixed")
