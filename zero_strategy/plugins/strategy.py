@@ -269,6 +269,12 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+        if self._start_method != "popen" and _distributed_is_initialized():
+            # A spawn-launched worker exits right after teardown. Tearing the process group down here, together,
+            # replaces an implicit teardown at interpreter exit, where a gloo rank was seen to abort now and then
+            # ("terminate called without an active exception") after its work was done.
+            dist.barrier()
+            dist.destroy_process_group()
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
