@@ -23,6 +23,23 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
+def _step(engine: ZeroEngine | None, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step, through the engine when there is one (the reference runs plain torch)."""
+    if engine is not None:
+        engine.prepare_step(optimizer)
+    optimizer.step()
+    if engine is not None:
+        engine.after_step(optimizer)
+
+
+def _final_state(engine: ZeroEngine | None, model: nn.Module) -> dict:
+    """The full state dict (stage 3 gathers first); the plain-torch reference has no engine."""
+    if engine is None:
+        return clone_state(model)
+    with engine.gathered_parameters():
+        return clone_state(model)
+
+
 def _frozen_run(rank, world_size, stage, which, opt_params, use_zero):
     model = make_model()
     _freeze(model, which)
@@ -34,15 +51,8 @@ def _frozen_run(rank, world_size, stage, which, opt_params, use_zero):
         for tokens in micro:
             batch = rank_slice(tokens, rank, world_size) if use_zero else tokens
             (lm_loss(model, batch) / 2).backward()
-        if engine is not None:
-            engine.prepare_step(optimizer)
-        optimizer.step()
-        if engine is not None:
-            engine.after_step(optimizer)
-    if engine is None:
-        return clone_state(model)
-    with engine.gathered_parameters():
-        return clone_state(model)
+        _step(engine, optimizer)
+    return _final_state(engine, model)
 
 
 @pytest.mark.timeout(60)
@@ -80,11 +90,7 @@ def _two_optimizer_run(rank, world_size, stage, use_zero):
         opt_b.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size) if use_zero else tokens).backward()
         for optimizer in (opt_a, opt_b) if it >= 3 else (opt_a,):
-            if engine is not None:
-                engine.prepare_step(optimizer)
-            optimizer.step()
-            if engine is not None:
-                engine.after_step(optimizer)
+            _step(engine, optimizer)
         if engine is None:
             snapshots.append(clone_state(model))
         else:
@@ -159,15 +165,8 @@ def _gan_run(rank, world_size, stage, use_zero):
         for player, optimizer in (("d", opt_d), ("g", opt_g)):
             optimizer.zero_grad()
             model(z, real, player).backward()
-            if engine is not None:
-                engine.prepare_step(optimizer)
-            optimizer.step()
-            if engine is not None:
-                engine.after_step(optimizer)
-    if engine is None:
-        return clone_state(model)
-    with engine.gathered_parameters():
-        return clone_state(model)
+            _step(engine, optimizer)
+    return _final_state(engine, model)
 
 
 @pytest.mark.timeout(60)
@@ -282,15 +281,8 @@ def _variant_run(rank, world_size, stage, kind, use_zero):
         optimizer.zero_grad()
         for tokens in micro:
             (_variant_loss(model, rank_slice(tokens, rank, world_size) if use_zero else tokens, kind) / 2).backward()
-        if engine is not None:
-            engine.prepare_step(optimizer)
-        optimizer.step()
-        if engine is not None:
-            engine.after_step(optimizer)
-    if engine is None:
-        return clone_state(model)
-    with engine.gathered_parameters():
-        return clone_state(model)
+        _step(engine, optimizer)
+    return _final_state(engine, model)
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zero_strategy.core.collectives import CommunicationLog
-from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam, ShardState
+from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.sharding import UnitPlan
@@ -78,10 +78,6 @@ class ZeroUnit:
     @property
     def is_root(self) -> bool:
         return self.name == ""
-
-    @property
-    def is_sharded(self) -> bool:
-        return all(fp.state is ShardState.SHARDED for fp in self.flat_params)
 
     def start_unshard(self) -> None:
         for flat in self.flat_params:
