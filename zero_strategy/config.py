@@ -22,6 +22,9 @@ class OffloadDevice(str, Enum):
     nvme = "nvme"
 
 
+COLLECTIVE_CHOICES = ("auto", "native", "point_to_point")
+
+
 class ZeroConfigError(ValueError):
     """An invalid ZeRO setting: the message names the key and how to fix it."""
 
@@ -42,6 +45,11 @@ class ZeroConfig:
 
     prefetch: bool = True
     """Stage 3: start the all-gather of the next unit while the current one computes."""
+
+    collectives: str = "auto"
+    """How all-gathers and reduce-scatters run: "native" (the backend's own collectives), "point_to_point" (each
+    rank exchanges its chunks with every peer directly) or "auto": point-to-point on gloo, where it measured about
+    twice as fast, native elsewhere (NCCL's collectives are already optimal)."""
 
     broadcast_buffers: bool = True
     """Broadcast rank 0's floating-point buffers (BatchNorm statistics) before each training forward, as DDP does."""
@@ -93,6 +101,10 @@ class ZeroConfig:
             )
         if self.min_unit_numel < 1:
             raise ZeroConfigError(f"min_unit_numel={self.min_unit_numel!r} must be a positive element count.")
+        if self.collectives not in COLLECTIVE_CHOICES:
+            raise ZeroConfigError(
+                f"collectives={self.collectives!r}: use one of {', '.join(map(repr, COLLECTIVE_CHOICES))}."
+            )
         self._validate_offload()
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(

@@ -12,11 +12,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from zero_strategy.core import point_to_point as point_to_point_exchange
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -56,10 +58,22 @@ class CommunicationLog:
         return dict(self.bytes_by_kind)
 
 
+class Waitable(Protocol):
+    def wait(self) -> bool: ...
+
+
+def prefers_point_to_point(group: ProcessGroup) -> bool:
+    """Whether all-gather and reduce-scatter should run as point-to-point exchanges on this group's backend:
+    on gloo they are about twice as fast as its own collectives (see [Note: why point-to-point on gloo])."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return str(dist.get_backend(group)) == "gloo"
+
+
 class PendingGather(NamedTuple):
     """An all-gather started asynchronously; ``wait()`` before reading ``output``."""
 
-    work: dist.Work | None
+    work: Waitable | None
     output: Tensor
     log: CommunicationLog | None = None
 
@@ -78,30 +92,73 @@ def _world(group: ProcessGroup) -> int:
 
 
 def all_gather_flat(
-    output: Tensor, shard: Tensor, group: ProcessGroup, log: CommunicationLog, async_op: bool = False
+    output: Tensor,
+    shard: Tensor,
+    group: ProcessGroup,
+    log: CommunicationLog,
+    async_op: bool = False,
+    point_to_point: bool = False,
 ) -> PendingGather:
     """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order."""
     log.record("all_gather", output.numel() * output.element_size())
     if _world(group) == 1:
         output.copy_(shard)
         return PendingGather(None, output)
+    work: Waitable | None
     with log.blocking("all_gather"):
-        work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+        if point_to_point:
+            work = point_to_point_exchange.all_gather(output, shard, group)
+            if not async_op:
+                work.wait()
+        else:
+            work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     return PendingGather(work if async_op else None, output, log)
 
 
-def reduce_scatter_mean(flat: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
-    """Average ``flat`` over ranks and return this rank's equal-sized slice of the result (a new tensor)."""
+class PendingReduce:
+    """A reduce-scatter started asynchronously; :meth:`wait` returns this rank's averaged slice.
+
+    It holds the flattened input until then (the sends read from it)."""
+
+    def __init__(self, work: Waitable | None, shard: Tensor, world: int, log: CommunicationLog) -> None:
+        self._work = work
+        self._shard = shard
+        self._world = world
+        self._log = log
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            with self._log.blocking("reduce_scatter"):  # only what overlapping did not hide
+                self._work.wait()
+            self._work = None
+            self._shard.div_(self._world)
+        return self._shard
+
+
+def start_reduce_scatter_mean(
+    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
+) -> PendingReduce:
+    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor)."""
     world = _world(group)
     log.record("reduce_scatter", flat.numel() * flat.element_size())
     shard = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
     if world == 1:
         shard.copy_(flat)
-        return shard
+        return PendingReduce(None, shard, world, log)
+    work: Waitable | None
     with log.blocking("reduce_scatter"):
-        dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group)
-    shard.div_(world)
-    return shard
+        if point_to_point:
+            work = point_to_point_exchange.reduce_scatter_sum(shard, flat, group)
+        else:
+            work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return PendingReduce(work, shard, world, log)
+
+
+def reduce_scatter_mean(
+    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
+) -> Tensor:
+    """Average ``flat`` over ranks and return this rank's equal-sized slice of the result (a new tensor)."""
+    return start_reduce_scatter_mean(flat, group, log, point_to_point).wait()
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:

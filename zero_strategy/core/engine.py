@@ -29,6 +29,7 @@ from zero_strategy.core.collectives import (
     all_gather_object,
     all_reduce_sum,
     broadcast_flat,
+    prefers_point_to_point,
 )
 from zero_strategy.core.flat_param import DistContext, FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
@@ -48,10 +49,11 @@ from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, protect_unused, restore_unused
 
 
-def _dist_context(group: ProcessGroup) -> DistContext:
+def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
     if dist.is_available() and dist.is_initialized():
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src)
+        p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
+        return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
     return DistContext(None, 0, 1, 0)
 
 
@@ -73,7 +75,7 @@ class ZeroEngine:
         self.optimizers = list(optimizers)
         self.config = config
         self.stage = ZeroStage(config.stage)
-        self.ctx = _dist_context(group)
+        self.ctx = _dist_context(group, config.collectives)
         self.comm_log = CommunicationLog()
         self._unused_saved: dict[int, Saved] = {}
         for optimizer in self.optimizers:
@@ -196,8 +198,12 @@ class ZeroEngine:
         Stage 1 reduce-scatters here (the accumulation boundary); stages 2/3 already did during backward.
         """
         index = self.optimizer_index(optimizer)
+        # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
+        # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
-            unit.reduce_grads(index, reduce_dtype=self.hooks.reduce_dtype)
+            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype)
+        for unit in self.units:
+            unit.finish_reduce()
         # parameters that produced no gradient must not move (see [Note: unused parameters] in unused.py)
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
 
@@ -272,13 +278,16 @@ class ZeroEngine:
         gathered copy so the next forward gathers the new values."""
         index = self.optimizer_index(optimizer)
         restore_unused(self._unused_saved.pop(index, []))
+        refreshing = []
         for flat in self._flat_params_of(index):
             flat.grad_seen = [False] * len(flat.params)
             flat.refresh_device_source()
             if self.stage.reshards_parameters:
                 flat.reshard()
-            else:
-                flat.refresh_full_from_shards()
+            else:  # every unit's gather is posted before the first wait, so they overlap
+                refreshing.append(flat.start_refresh_full_from_shards())
+        for finish in refreshing:
+            finish()
 
     # --------------------------------------------------------------------------------------------- access
     @contextmanager

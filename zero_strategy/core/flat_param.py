@@ -11,6 +11,7 @@ assignment gives each parameter its own version counter, so the in-place all-gat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -20,10 +21,11 @@ from torch import Tensor, nn
 from zero_strategy.core.collectives import (
     CommunicationLog,
     PendingGather,
+    PendingReduce,
     ProcessGroup,
     all_gather_flat,
     broadcast_flat,
-    reduce_scatter_mean,
+    start_reduce_scatter_mean,
 )
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
@@ -53,6 +55,7 @@ class DistContext:
     rank: int
     world_size: int
     src_rank: int  # global rank whose initial values every rank adopts (DDP broadcasts rank 0's too)
+    point_to_point: bool = False  # all-gather / reduce-scatter as point-to-point exchanges (gloo: faster)
 
 
 class FlatParam:
@@ -88,6 +91,7 @@ class FlatParam:
         self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named_params], ctx.world_size)
         self.state = ShardState.UNSHARDED
         self._pending: PendingGather | None = None
+        self._pending_reduce: PendingReduce | None = None
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self._build_buffers(options)
@@ -170,7 +174,9 @@ class FlatParam:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
-        self._pending = all_gather_flat(self.full, self._gather_source(), self.ctx.group, self.log, async_op=True)
+        self._pending = all_gather_flat(
+            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point
+        )
 
     def finish_unshard(self) -> None:
         """Wait for the gather started by :meth:`start_unshard`; afterwards the module's parameters are usable."""
@@ -198,12 +204,21 @@ class FlatParam:
 
     def refresh_full_from_shards(self) -> None:
         """Stage 1/2: after an optimizer step, rebuild the (always allocated) ``full`` from the updated shards."""
+        self.start_refresh_full_from_shards()()
+
+    def start_refresh_full_from_shards(self) -> Callable[[], None]:
+        """Start :meth:`refresh_full_from_shards`'s gather; call the returned function to wait for it."""
         assert self.state is ShardState.UNSHARDED
         # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
         source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
-        all_gather_flat(self.full, source, self.ctx.group, self.log)
-        if self.placement is not None:
-            self.placement.after_host_read()
+        pending = all_gather_flat(self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point)
+
+        def finish() -> None:
+            pending.wait()
+            if self.placement is not None:
+                self.placement.after_host_read()
+
+        return finish
 
     def _gather_source(self) -> Tensor:
         """This rank's slice in the compute dtype, on the compute device."""
@@ -235,6 +250,7 @@ class FlatParam:
 
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
+        self.finish_reduce()  # the exchange must complete on every rank, whatever we do with its result
         self.grad_stash = None
         self.grad_seen = [False] * len(self.params)
         for param in self.params:
@@ -247,16 +263,27 @@ class FlatParam:
 
         The module's ``.grad`` tensors are released afterwards: the slice is now the only copy.
         """
+        self.start_reduce(reduce_dtype)
+        self.finish_reduce()
+
+    def start_reduce(self, reduce_dtype: torch.dtype | None = None) -> None:
+        """Flatten the module's gradients (releasing them) and start reduce-scattering them; :meth:`finish_reduce`
+        adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time."""
         if not self.has_pending_grads():
             return
-        dtype = reduce_dtype or self.full.dtype
-        flat = self._flatten_grads(dtype)
-        reduced = reduce_scatter_mean(flat, self.ctx.group, self.log)
-        del flat
+        self.finish_reduce()
+        flat = self._flatten_grads(reduce_dtype or self.full.dtype)
+        self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction started by :meth:`start_reduce` and accumulate this rank's slice (in fp32, where
+        the master pieces live)."""
+        if self._pending_reduce is None:
+            return
+        reduced, self._pending_reduce = self._pending_reduce.wait(), None
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
             if piece.grad is None:
-                # fp32 accumulation whatever the reduction dtype (the master pieces are fp32), where the masters are.
                 # `reduced` is ours alone and its pieces are disjoint, so a matching slice is used without a copy.
                 piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
             else:

@@ -6,6 +6,12 @@ hook on every trainable parameter: when the last gradient of a unit has landed, 
 (stage 3 then frees it). A callback queued at the start of each backward sweeps up at its end: units whose
 parameters were not all used are reduced there, and every unit is freed.
 
+[Note: overlapped reduction]
+A unit's reduce-scatter is only started when its last gradient lands; it is waited for when the next unit's
+starts, or at the end of backward. On gloo the point-to-point exchange runs on gloo's I/O thread, so the ranks
+need not meet at every unit: backward of the next unit computes while the bytes move, and a rank that is a little
+behind costs the other rank nothing until the wait. At most two units' flattened gradients are alive at once.
+
 [Note: collective order]
 Every rank must issue collectives in the same order. A unit is reduced when its last gradient lands, which
 happens in the same order on every rank as long as all ranks run the same graph; units with parameters unused
@@ -54,6 +60,7 @@ class RuntimeHooks:
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
         self._callback_queued = False
+        self._reducing: ZeroUnit | None = None  # the unit whose reduce-scatter is in flight
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
@@ -143,7 +150,12 @@ class RuntimeHooks:
         unit.grads_ready += 1
         if unit.grads_ready < unit.expected_grads():
             return
-        unit.reduce_grads(reduce_dtype=self.reduce_dtype)
+        # The reduction runs while backward goes on to the next unit; waiting for the previous one first bounds
+        # the memory of flattened gradients in flight to two units (see [Note: overlapped reduction]).
+        if self._reducing is not None:
+            self._reducing.finish_reduce()
+        unit.start_reduce(reduce_dtype=self.reduce_dtype)
+        self._reducing = unit
         # A unit with frozen parameters may still be needed by backward ops that produce no gradient for it
         # (a frozen layer earlier in the unit), and the root's parameters can be used anywhere: both wait.
         if self.stage.reshards_parameters and not unit.has_frozen and not unit.is_root:
@@ -155,6 +167,9 @@ class RuntimeHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        if self._reducing is not None:
+            self._reducing.finish_reduce()
+            self._reducing = None
         for unit in self.units:
             if self.stage.reduces_every_microstep:
                 unit.reduce_grads(reduce_dtype=self.reduce_dtype)

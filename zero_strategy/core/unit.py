@@ -92,10 +92,19 @@ class ZeroUnit:
             flat.reshard()
 
     def reduce_grads(self, optimizer_index: int | None = None, reduce_dtype: torch.dtype | None = None) -> None:
-        """Reduce-scatter pending gradients (of one optimizer's FlatParams, or all)."""
+        """Reduce-scatter pending gradients (of one optimizer's FlatParams, or all) and wait for the result."""
+        self.start_reduce(optimizer_index, reduce_dtype)
+        self.finish_reduce()
+
+    def start_reduce(self, optimizer_index: int | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+        """Start reduce-scattering pending gradients; :meth:`finish_reduce` waits and accumulates them."""
         for flat, index in zip(self.flat_params, self.optimizer_index, strict=True):
             if flat.trainable and (optimizer_index is None or index == optimizer_index):
-                flat.reduce_grads(reduce_dtype)
+                flat.start_reduce(reduce_dtype)
+
+    def finish_reduce(self) -> None:
+        for flat in self.flat_params:
+            flat.finish_reduce()
 
     def expected_grads(self) -> int:
         """How many post-accumulate-grad hooks a backward that reaches every parameter fires."""
