@@ -1,9 +1,10 @@
-"""The benchmark's methods: how DDP, ZeroRedundancyOptimizer, FSDP2 and ZeRO are set up on one rank, and the
-counter that records what each of them sends."""
+"""The benchmark's methods: how DDP, ZeroRedundancyOptimizer, FSDP2, ZeRO (and DeepSpeed, where installed) are
+set up on one rank, and the counter that records what each of them sends."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,23 +40,25 @@ class CollectiveCounter:
 
     def __init__(self) -> None:
         self.bytes_by_kind: dict[str, int] = defaultdict(int)
-        self._originals: dict[str, Callable[..., Any]] = {}
+        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}  # (namespace, name) → original
         self._depth = 0  # a wrapped function calling another wrapped one is counted once
 
     def record(self, kind: str, nbytes: int) -> None:
         self.bytes_by_kind[kind] += nbytes
 
-    def install(self) -> None:
-        """Wrap the functions in this (forked, per-run) process only."""
-        for name, (kind, size_of) in self._WRAPPED.items():
-            original = getattr(dist, name, None)
-            if original is not None:
-                self._originals[name] = original
-                setattr(dist, name, self._wrap(original, kind, size_of))
+    def install(self, namespace: Any = dist, table: dict[str, tuple[str, SizeOf]] | None = None) -> None:
+        """Wrap the functions in this (forked, per-run) process only: ``table`` (default: the ones above) in
+        ``namespace`` (default: ``torch.distributed``). A method whose library reaches collectives by other names
+        installs those too (DeepSpeed: :mod:`zero_strategy.tools.bench_deepspeed`)."""
+        for name, (kind, size_of) in (self._WRAPPED if table is None else table).items():
+            original = getattr(namespace, name, None)
+            if original is not None and (namespace, name) not in self._originals:
+                self._originals[namespace, name] = original
+                setattr(namespace, name, self._wrap(original, kind, size_of))
 
     def remove(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (namespace, name), original in self._originals.items():
+            setattr(namespace, name, original)
         self._originals.clear()
 
     def _wrap(self, original: Callable[..., Any], kind: str, size_of: SizeOf) -> Callable[..., Any]:
@@ -103,6 +106,9 @@ class MethodRun:
     state_optimizer: Optimizer  # whose .state holds the optimizer state (ZeroRedundancyOptimizer: its local one)
     engine: ZeroEngine | None = None
     backward: Callable[[Tensor], object] = Tensor.backward  # DeepSpeed: its engine's backward
+    # (parameters, gradients, optimizer state) bytes, for a method that keeps its model state in buffers that the
+    # generic walk of parameters, `.grad` and `state_optimizer.state` cannot see (DeepSpeed's flat partitions).
+    state_walk: Callable[[], tuple[int, int, int]] | None = None
 
 
 def _build_ddp(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
@@ -149,6 +155,14 @@ def _build_fsdp2(reshard_after_forward: bool, model: nn.Module, counter: Collect
     return MethodRun(model, model, optimizer, optimizer.step, optimizer)
 
 
+def _build_deepspeed(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    # Imported here, in the rank process: bench_deepspeed imports this module, and deepspeed itself is imported
+    # only by a deepspeed run.
+    from zero_strategy.tools.bench_deepspeed import build_deepspeed
+
+    return build_deepspeed(stage, model, counter)
+
+
 BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "ddp": _build_ddp,
     "zero1": functools.partial(_build_zero, 1),
@@ -158,3 +172,8 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
     "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
 }
+
+# DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default
+# method list there: each run is its own row, so a DeepSpeed failure shows as "n/a (...)" and the other rows stand.
+if importlib.util.find_spec("deepspeed") is not None:
+    BUILDERS.update({f"deepspeed_zero{stage}": functools.partial(_build_deepspeed, stage) for stage in (1, 2, 3)})

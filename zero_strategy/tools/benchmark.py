@@ -73,6 +73,7 @@ class BenchOptions:
 
 def theory_state_bytes(method: str, psi: int, world: int) -> float:
     """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
+    method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     if method in ("zero1", "zero_redundancy"):
         return 4 * psi + 4 * psi + 8 * psi / world
     if method == "zero2":
@@ -85,6 +86,7 @@ def theory_state_bytes(method: str, psi: int, world: int) -> float:
 def theory_comm_bytes(method: str, psi: int) -> int:
     """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
+    method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     three = method in ("zero3", "zero_redundancy", "fsdp2_reshard_true")
     return (3 if three else 2) * psi * 4  # fp32
 
@@ -104,6 +106,8 @@ def _distinct_bytes(tensors: list[Tensor], seen: set[int]) -> int:
 
 def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes on this rank, each storage counted once, first where met."""
+    if run.state_walk is not None:  # a method whose state lives where this walk cannot see it (DeepSpeed)
+        return run.state_walk()
     params: dict[int, Tensor] = {id(p): p for p in run.module.parameters()}
     for group in run.optimizer.param_groups:
         params.update((id(p), p) for p in group["params"])
