@@ -203,3 +203,41 @@ def test_stage3_gathers_one_unit_at_a_time(prefetch):
             neighbour = i + 1 if phase == "forward" else i - 1
             if sum(whole) == 2:
                 assert whole[neighbour] == 1, (rank, phase, i, whole)
+
+
+def backward_prefetch_worker(rank, world_size):
+    from zero_strategy.core import unit as unit_module
+    from zero_strategy.core.flat_param import ShardState
+    from zero_strategy.core.hooks import in_backward
+
+    model = make_model(n_blocks=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # nested units: each block, and inside it its Linear (the hook order in backward is not reversed forward order)
+    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, unit_modules=["Block", "Linear"]))
+    needed: list[tuple[int, str, bool]] = []  # (step, unit, was its gather already started when backward needed it)
+    step = [0]
+    original_unshard = unit_module.ZeroUnit.unshard
+
+    def recording_unshard(self):
+        if in_backward() and not self.is_root:
+            started = all(f.state is ShardState.UNSHARDED or f._pending is not None for f in self.flat_params)
+            if not all(f.state is ShardState.UNSHARDED and f._pending is None for f in self.flat_params):
+                needed.append((step[0], self.name, started))
+        original_unshard(self)
+
+    unit_module.ZeroUnit.unshard = recording_unshard
+    for index, (tokens,) in enumerate(make_batches(3, 1, 8)):
+        step[0] = index
+        optimizer.zero_grad()
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+    return needed
+
+
+@pytest.mark.timeout(60)
+def test_backward_prefetches_in_recorded_order_with_nested_units():
+    """From the second backward on, every unit's gather has started before backward needs it (the first backward
+    records the order; reversed forward order would fetch a block's inner unit too late)."""
+    for needed in run_ranks(backward_prefetch_worker, 2, timeout_s=50):
+        later = [(name, started) for step, name, started in needed if step >= 1]
+        assert len(later) >= 2 * 8, needed  # 4 blocks + 4 inner units gathered in each of two backwards
+        assert all(started for _, started in later), later
