@@ -137,8 +137,10 @@ class RuntimeHooks:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, unit))
-        # The root stays whole after a training forward: its backward comes first.
-        if not (unit.is_root and torch.is_grad_enabled()):
+        # After a training forward the root and the last unit forward ran stay whole: backward needs them first,
+        # and freeing them would only gather them again right away (the end of backward frees them).
+        last = self._order_recorded and unit is self.forward_order[-1]
+        if not ((unit.is_root or last) and torch.is_grad_enabled()):
             unit.reshard()
         if unit.is_root:
             self._order_recorded = True
