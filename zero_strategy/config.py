@@ -22,7 +22,7 @@ class OffloadDevice(str, Enum):
     nvme = "nvme"
 
 
-COLLECTIVE_CHOICES = ("auto", "native", "point_to_point")
+COLLECTIVE_CHOICES = ("auto", "native", "point_to_point", "shared_memory")
 
 
 class ZeroConfigError(ValueError):
@@ -48,8 +48,10 @@ class ZeroConfig:
 
     collectives: str = "auto"
     """How all-gathers and reduce-scatters run: "native" (the backend's own collectives), "point_to_point" (each
-    rank exchanges its chunks with every peer directly) or "auto": point-to-point on gloo, where it measured about
-    twice as fast, native elsewhere (NCCL's collectives are already optimal)."""
+    rank exchanges its chunks with every peer directly), "shared_memory" (stage 3 with every rank on one host's
+    CPU: parameter shards live in /dev/shm and a gather is a copy; reductions point-to-point) or "auto": on gloo,
+    shared memory where it applies and point-to-point otherwise (both measured faster than gloo's own
+    collectives), native elsewhere (NCCL's collectives are already optimal)."""
 
     broadcast_buffers: bool = True
     """Broadcast rank 0's floating-point buffers (BatchNorm statistics) before each training forward, as DDP does."""

@@ -228,8 +228,10 @@ def backward_prefetch_worker(rank, world_size):
 
     model = make_model(n_blocks=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    # nested units: each block, and inside it its Linear (the hook order in backward is not reversed forward order)
-    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, unit_modules=["Block", "Linear"]))
+    # nested units: each block, and inside it its Linear (the hook order in backward is not reversed forward order);
+    # network gathers, whose start and end can be told apart (a shared-memory gather is done when it starts)
+    config = ZeroConfig(stage=3, unit_modules=["Block", "Linear"], collectives="point_to_point")
+    ZeroEngine(model, [optimizer], config)
     needed: list[tuple[int, str, bool]] = []  # (step, unit, was its gather already started when backward needed it)
     step = [0]
     original_unshard = unit_module.ZeroUnit.unshard

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from zero_strategy.config import ZeroConfig
+from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.collectives import (
     CommunicationLog,
     ProcessGroup,
@@ -43,7 +43,8 @@ from zero_strategy.core.optimizer import (
     remove_zero_grad_hook,
     repoint_param_groups,
 )
-from zero_strategy.core.sharding import choose_unit_modules, plan_units
+from zero_strategy.core.sharding import UnitPlan, choose_unit_modules, plan_units
+from zero_strategy.core.shared_shards import SharedShards
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, protect_unused, restore_unused
@@ -84,8 +85,16 @@ class ZeroEngine:
         unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
         plans = plan_units(module, unit_paths)
         self.placement = make_placement(config, module, plans, self.ctx.rank)
-        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement)
-        self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
+        self.shared = self._shared_shards(module, plans)
+        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared)
+        try:
+            self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
+        except BaseException:
+            if self.shared is not None:
+                self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
+            raise
+        if self.shared is not None:
+            self.shared.connect()
         self._sync_buffers()
         self._repoint_optimizers()
         self.hooks = RuntimeHooks(
@@ -98,6 +107,35 @@ class ZeroEngine:
                 unit.reshard()
 
     # --------------------------------------------------------------------------------------------- set-up
+    def _shared_shards(self, module: nn.Module, plans: list[UnitPlan]) -> SharedShards | None:
+        """Shared-memory shards (see [Note: shared-memory gathers]) where asked for or, with "auto", where they
+        apply: stage 3, gloo, no offload, every rank on this host's CPU. Collective."""
+        choice = self.config.collectives
+        applies = (
+            self.stage.reshards_parameters
+            and self.placement is None
+            and self.ctx.world_size > 1
+            and choice in ("auto", "shared_memory")
+            and (choice == "shared_memory" or prefers_point_to_point(self.ctx.group))
+        )
+        if not applies:
+            if choice == "shared_memory" and self.ctx.world_size > 1:
+                raise ZeroConfigError(
+                    'collectives="shared_memory" applies to stage 3 without offload only; use "auto" or '
+                    '"point_to_point".'
+                )
+            return None
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        model_bytes = sum(p.numel() * 4 for plan in plans for _, p in plan.named_params)  # fp32 shards, all ranks
+        if SharedShards.usable(self.ctx.group, device, model_bytes):
+            return SharedShards(self.ctx.group, self.ctx.rank, self.ctx.world_size, self.ctx.src_rank)
+        if choice == "shared_memory":
+            raise ZeroConfigError(
+                'collectives="shared_memory" needs every rank on one host, computing on its CPU, and room in '
+                f'/dev/shm for {model_bytes / 2**20:.0f} MiB of shards; use "auto" or "point_to_point".'
+            )
+        return None
+
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):
             existing = dict(optimizer.state)  # e.g. Adagrad's accumulators, created at construction
@@ -160,6 +198,8 @@ class ZeroEngine:
                 flat.reshard()
             else:
                 flat.refresh_full_from_shards()
+        if self.shared is not None:
+            self.shared.after_writes()
 
     def _sync_buffers(self) -> None:
         """Adopt rank 0's buffers (DDP does this at wrap time and, by default, before every forward)."""
@@ -206,6 +246,8 @@ class ZeroEngine:
             unit.finish_reduce()
         # parameters that produced no gradient must not move (see [Note: unused parameters] in unused.py)
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
+        if self.shared is not None:
+            self.shared.before_writes()  # peers are done reading our shards for this step
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (padding is in no piece, so excluded)."""
@@ -288,6 +330,8 @@ class ZeroEngine:
                 refreshing.append(flat.start_refresh_full_from_shards())
         for finish in refreshing:
             finish()
+        if self.shared is not None:
+            self.shared.after_writes()  # our new shards are complete before any peer gathers them
 
     # --------------------------------------------------------------------------------------------- access
     @contextmanager

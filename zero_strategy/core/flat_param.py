@@ -29,6 +29,7 @@ from zero_strategy.core.collectives import (
 )
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
+from zero_strategy.core.shared_shards import SharedShards, gather_from_shards
 
 
 class ShardState(Enum):
@@ -45,6 +46,7 @@ class FlatOptions:
     keeps_full: bool  # stages 1/2: `full` is never freed
     compute_dtype: torch.dtype | None = None  # dtype of `full` (what forward sees); None: the parameters' own
     placement: Placement | None = None  # offload: where the shard lives; None: next to `full`
+    shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,14 @@ class FlatParam:
             placement = options.placement
             self.placement = placement
             self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype and placement is None
+            self._shared: SharedShards | None = None
+            self._shared_key = -1
             if placement is not None:  # offloaded: the shard lives in host memory or a file
                 self.shard = placement.shard_buffer(f"shard-{id(self)}", end - start, first.dtype)
+                self.shard.copy_(full[start:end])
+            elif options.shared is not None and not options.keeps_full:  # see [Note: shared-memory gathers]
+                self._shared = options.shared
+                self.shard, self._shared_key = options.shared.allocate(end - start, first.dtype)
                 self.shard.copy_(full[start:end])
             else:
                 self.shard = full[start:end] if self.shard_aliases_full else full[start:end].clone()
@@ -174,6 +182,12 @@ class FlatParam:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
+        if self._shared is not None and self._shared.connected:
+            self.log.record("all_gather", self.full.numel() * self.full.element_size())
+            with self.log.blocking("all_gather"):
+                gather_from_shards(self.full, self._shared.shards(self._shared_key))
+            self.state = ShardState.UNSHARDED
+            return
         self._pending = all_gather_flat(
             self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point
         )
@@ -184,6 +198,8 @@ class FlatParam:
             return
         if self._pending is None:
             self.start_unshard()
+            if self.state is ShardState.UNSHARDED:  # shared-memory shards: the gather was a copy, already done
+                return
         assert self._pending is not None
         self._pending.wait()
         self._pending = None

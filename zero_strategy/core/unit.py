@@ -13,6 +13,7 @@ from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.sharding import UnitPlan
+from zero_strategy.core.shared_shards import SharedShards
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class UnitOptions:
     keeps_full: bool  # stages 1/2
     policy: MixedPrecisionPolicy | None  # mixed precision, or None
     placement: Placement | None  # offload, or None
+    shared: SharedShards | None = None  # stage 3 on one host's CPU ranks: shards in shared memory
 
 
 class TrainingState(Enum):
@@ -68,7 +70,7 @@ class ZeroUnit:
             else:
                 named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
-            flat_options = FlatOptions(options.keeps_full, compute, options.placement)
+            flat_options = FlatOptions(options.keeps_full, compute, options.placement, options.shared)
             self.flat_params.append(FlatParam(named, group_of, ctx, log, flat_options))
             self.optimizer_index.append(opt_index)
         self.has_frozen = any(not fp.trainable for fp in self.flat_params)

@@ -1,0 +1,100 @@
+"""Stage 3's shared-memory gathers: chosen where they apply, equal to network gathers, safe when ranks drift apart,
+and they leave nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from helpers.models import lm_loss, make_batches, make_model, rank_slice
+
+from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core import shared_shards
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.testing import run_ranks
+
+
+def _our_files(rank: int | None = None) -> list[str]:
+    """Shard files in /dev/shm (of one rank: the others unlink theirs on their own time)."""
+    names = [name for name in os.listdir(shared_shards.SHM_DIR) if name.startswith("zero-shards-")]
+    return [name for name in names if rank is None or f"-r{rank}-" in name]
+
+
+def train_worker(rank, world_size, collectives, slow_rank, sabotage):
+    if sabotage == "no_room":
+        shared_shards._free_bytes = lambda path: 0
+    if sabotage == "cannot_map" and rank == 1:
+        def refuse(*args):
+            raise FileNotFoundError("a separate /dev/shm")
+        shared_shards.SharedShards._map = refuse
+    model = make_model(n_blocks=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives=collectives))
+    files_after_setup = _our_files(rank)
+    if rank == slow_rank:  # this rank lags in backward: peers reach the step while it still gathers their shards
+        for block in model.blocks:
+            block.register_full_backward_hook(lambda *args: time.sleep(0.05))
+    for (tokens,) in make_batches(3, 1, 8):
+        optimizer.zero_grad()
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+        engine.prepare_step(optimizer)
+        if rank == slow_rank:  # and late to write: peers must not gather its shards before they are new
+            time.sleep(0.05)
+        optimizer.step()
+        engine.after_step(optimizer)
+    shared = engine.shared is not None and engine.shared.connected
+    engine.release()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"weights": weights, "shared": shared, "files_after_setup": files_after_setup}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_memory_gathers_match_network_gathers_with_lagging_rank(world_size):
+    """Ranks that drift apart still read each other's shards only when complete: the steps are bracketed by
+    barriers, so a fast rank neither gathers a slow rank's shard before its step wrote it nor writes its own while
+    the slow rank may still be gathering it."""
+    shared = run_ranks(train_worker, world_size, "auto", 1, None, timeout_s=100)
+    network = run_ranks(train_worker, world_size, "point_to_point", None, None, timeout_s=100)
+    for rank in range(world_size):
+        assert shared[rank]["shared"] and not network[rank]["shared"]
+        assert shared[rank]["files_after_setup"] == []  # unlinked once every rank mapped them
+        torch.testing.assert_close(shared[rank]["weights"], network[rank]["weights"], rtol=0, atol=0)
+    assert _our_files() == []
+
+
+@pytest.mark.timeout(60)
+def test_no_room_in_dev_shm_falls_back_to_network_gathers():
+    for result in run_ranks(train_worker, 2, "auto", None, "no_room", timeout_s=50):
+        assert not result["shared"]
+
+
+@pytest.mark.timeout(60)
+def test_explicit_shared_memory_without_room_is_an_error_that_names_the_fix():
+    with pytest.raises(Exception, match=r"shared_memory.*/dev/shm.*point_to_point"):
+        run_ranks(train_worker, 2, "shared_memory", None, "no_room", timeout_s=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_map_its_peers_makes_every_rank_fall_back():
+    results = run_ranks(train_worker, 2, "auto", None, "cannot_map", timeout_s=50)
+    assert [r["shared"] for r in results] == [False, False]
+    reference = run_ranks(train_worker, 2, "point_to_point", None, None, timeout_s=50)
+    for got, expected in zip(results, reference, strict=True):
+        torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
+    assert _our_files() == []
+
+
+def stage2_worker(rank, world_size):
+    model = make_model()
+    ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=2, collectives="shared_memory"))
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_is_refused_where_it_cannot_apply():
+    with pytest.raises(Exception, match=r"stage 3 without offload only"):
+        run_ranks(stage2_worker, 2, timeout_s=50)
+    with pytest.raises(ZeroConfigError, match="collectives='tcp'"):
+        ZeroConfig(collectives="tcp")
