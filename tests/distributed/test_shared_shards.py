@@ -98,3 +98,27 @@ def test_shared_memory_is_refused_where_it_cannot_apply():
         run_ranks(stage2_worker, 2, timeout_s=50)
     with pytest.raises(ZeroConfigError, match="collectives='tcp'"):
         ZeroConfig(collectives="tcp")
+
+
+def _rss_shmem_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssShmem:"))
+
+
+def resident_worker(rank, world_size):
+    model = make_model(vocab=1000, width=256, n_blocks=4)  # ≈ 0.52 M parameters: 1 MiB of fp32 shards per rank
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives="shared_memory"))
+    own = sum(flat.shard.numel() * flat.shard.element_size() for flat in engine.flat_params)
+    (tokens,) = make_batches(1, 1, 8, vocab=1000)[0]
+    lm_loss(model, rank_slice(tokens, rank, world_size)).backward()  # every unit gathered, twice
+    return {"own": own, "resident_shared": _rss_shmem_bytes()}
+
+
+@pytest.mark.timeout(60)
+def test_peers_shards_do_not_stay_in_a_ranks_resident_memory():
+    """After a gather, the peers' pages are dropped from this process's RSS (they stay in /dev/shm, owned by
+    their rank): each rank is charged for its own shards, not for every rank's."""
+    for result in run_ranks(resident_worker, 2, timeout_s=50):
+        assert result["own"] > 2**20 - 2**16
+        assert result["resident_shared"] <= result["own"] + 2**18, result

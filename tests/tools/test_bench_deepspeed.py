@@ -18,6 +18,8 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks its accelerator
 pytest.importorskip("deepspeed")
 
+from helpers.bench_report import table_rows
+
 from zero_strategy.tools.benchmark import main
 
 WORLD = 2  # the benchmark's default number of ranks
@@ -30,15 +32,6 @@ DEEPSPEED_STATE_PER_PSI = {
 TRAFFIC_TO_THEORY = {1: 1.5, 2: 1.5, 3: 2 / 3}  # all-reduce 2Ψ + all-gather Ψ; all-gather Ψ + reduce-scatter Ψ
 
 
-def _table_rows(report: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in report.splitlines():
-        if line.startswith("| ") and not line.startswith("| method"):
-            cells = [cell.strip() for cell in line.strip("|").split("|")]
-            rows[cells[0]] = cells
-    return rows
-
-
 def _details(report: str, method: str) -> str:
     return next(line for line in report.splitlines() if line.startswith(f"- {method}: "))
 
@@ -48,7 +41,7 @@ def test_deepspeed_rows_match_ddp_and_deepspeeds_layout() -> None:
     methods = ["ddp"] + [f"deepspeed_zero{stage}" for stage in (1, 2, 3)]
     report = main(["--params", "tiny", "--reps", "1", "--steps", "2", "--methods", ",".join(methods)])
 
-    rows = _table_rows(report)
+    rows = table_rows(report)
     assert sorted(rows) == sorted(methods)
     for stage in (1, 2, 3):
         method = f"deepspeed_zero{stage}"

@@ -7,18 +7,9 @@ the report to what a user sees.
 from __future__ import annotations
 
 import pytest
+from helpers.bench_report import table_rows
 
 from zero_strategy.tools.benchmark import main
-
-
-def _table_rows(report: str) -> dict[str, list[str]]:
-    """Method name → the cells of its row, from the markdown table in ``report``."""
-    rows = {}
-    for line in report.splitlines():
-        if line.startswith("| ") and not line.startswith("| method"):
-            cells = [cell.strip() for cell in line.strip("|").split("|")]
-            rows[cells[0]] = cells
-    return rows
 
 
 def _mib(cell: str) -> float:
@@ -33,7 +24,7 @@ def test_tiny_benchmark_reports_ddp_and_zero3(capsys):
 
     assert report in capsys.readouterr().out
     assert "torch " in report and "python -m zero_strategy.tools.benchmark --params tiny" in report
-    rows = _table_rows(report)
+    rows = table_rows(report)
     assert sorted(rows) == ["ddp", "zero3"]
     for method, cells in rows.items():
         assert "n/a" not in cells[1], f"{method} failed: {cells[1]}"

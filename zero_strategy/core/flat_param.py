@@ -186,6 +186,7 @@ class FlatParam:
             self.log.record("all_gather", self.full.numel() * self.full.element_size())
             with self.log.blocking("all_gather"):
                 gather_from_shards(self.full, self._shared.shards(self._shared_key))
+                self._shared.release_peers(self._shared_key)
             self.state = ShardState.UNSHARDED
             return
         self._pending = all_gather_flat(
