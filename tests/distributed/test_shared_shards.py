@@ -122,3 +122,15 @@ def test_peers_shards_do_not_stay_in_a_ranks_resident_memory():
     for result in run_ranks(resident_worker, 2, timeout_s=50):
         assert result["own"] > 2**20 - 2**16
         assert result["resident_shared"] <= result["own"] + 2**18, result
+
+
+def test_a_full_dev_shm_at_allocation_is_a_clear_error(monkeypatch):
+    def no_space(descriptor, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared_shards.os, "posix_fallocate", no_space)
+    store = shared_shards.SharedShards.__new__(shared_shards.SharedShards)
+    store.rank, store._run, store._own, store._dtypes = 0, "test-full", [], []
+    with pytest.raises(RuntimeError, match=r"/dev/shm.*--shm-size.*point_to_point"):
+        store.allocate(1024, torch.float32)
+    assert _our_files() == []  # the half-made file is gone

@@ -71,10 +71,13 @@ class SharedShards:
         descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(descriptor, 0, nbytes)  # ENOSPC now rather than SIGBUS on first touch
-        except OSError:
+        except OSError as error:
             os.close(descriptor)
             os.unlink(path)
-            raise
+            raise RuntimeError(
+                f"could not reserve {nbytes} bytes in {SHM_DIR} for stage-3 parameter shards ({error}): free space "
+                'there, enlarge it (e.g. docker run --shm-size=...), or pass collectives="point_to_point".'
+            ) from error
         os.close(descriptor)
         tensor = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)[:numel]
         self._own.append(tensor)
