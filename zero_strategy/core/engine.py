@@ -12,6 +12,7 @@ Global-norm clipping adds one scalar all-reduce.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -93,8 +94,8 @@ class ZeroEngine:
             if self.shared is not None:
                 self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
             raise
-        if self.shared is not None:
-            self.shared.connect()
+        if self.shared is not None and not self.shared.connect():
+            self._shared_memory_unavailable(self.shared.failure or "")
         self._sync_buffers()
         self._repoint_optimizers()
         self.hooks = RuntimeHooks(
@@ -135,6 +136,16 @@ class ZeroEngine:
                 f'/dev/shm for {model_bytes / 2**20:.0f} MiB of shards; use "auto" or "point_to_point".'
             )
         return None
+
+    def _shared_memory_unavailable(self, reason: str) -> None:
+        """Every rank gets here together (the failure was agreed in ``connect``); gathers use the network."""
+        if self.config.collectives == "shared_memory":
+            raise ZeroConfigError(
+                f'collectives="shared_memory": {reason}; free or enlarge /dev/shm (docker run --shm-size=...), or '
+                'use "auto" or "point_to_point".'
+            )
+        warnings.warn(f"ZeRO stage 3: shared-memory gathers unavailable ({reason}); using point-to-point gathers.",
+                      stacklevel=3)
 
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):

@@ -17,8 +17,9 @@ zero3 peak RSS 0.79x DDP's without the release, 0.72x with it, step time unchang
 
 The files are unlinked as soon as every rank has mapped them, so nothing is left in ``/dev/shm`` when a process
 ends, however it ends; only a crash during set-up itself can leave them (named ``zero-shards-<run>-...``). The
-space is reserved with ``posix_fallocate`` up front: a too-small ``/dev/shm`` (Docker's default is 64 MiB) makes
-set-up fall back to point-to-point gathers instead of crashing later with SIGBUS.
+space is checked before set-up and reserved with ``posix_fallocate``: a too-small ``/dev/shm`` (Docker's default is
+64 MiB) makes every rank fall back to point-to-point gathers together (with a warning; an error if
+``collectives="shared_memory"`` was asked for) instead of crashing later with SIGBUS or leaving peers waiting.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class SharedShards:
         self._peers: list[list[Tensor]] = []  # per key: every rank's shard, in rank order
         self.connected = False  # False until connect() succeeded everywhere: gathers then use the network
         self._peer_maps: dict[int, list[mmap.mmap]] = {}  # key → the peers' mappings (for releasing pages)
+        self.failure: str | None = None  # why this rank's shards are not in shared memory, if they are not
 
     @staticmethod
     def usable(group: ProcessGroup, device: torch.device, host_bytes: int) -> bool:
@@ -64,41 +66,45 @@ class SharedShards:
         return os.path.join(SHM_DIR, f"zero-shards-{self._run}-r{rank}-{key}")
 
     def allocate(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, int]:
-        """A zero-filled tensor of ``numel`` elements in a file peers can map, and its key."""
+        """A zero-filled tensor of ``numel`` elements in a file peers can map, and its key. Without room in
+        ``/dev/shm`` it is ordinary memory instead, and :meth:`connect` makes every rank fall back together (a rank
+        that raised here would leave its peers waiting in the next collective)."""
         key = len(self._own)
+        self._dtypes.append((numel, dtype))
         path = self._path(self.rank, key)
         nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
-        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(descriptor, 0, nbytes)  # ENOSPC now rather than SIGBUS on first touch
-        except OSError as error:
-            os.close(descriptor)
-            os.unlink(path)
-            raise RuntimeError(
-                f"could not reserve {nbytes} bytes in {SHM_DIR} for stage-3 parameter shards ({error}): free space "
-                'there, enlarge it (e.g. docker run --shm-size=...), or pass collectives="point_to_point".'
-            ) from error
-        os.close(descriptor)
-        tensor = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)[:numel]
-        self._own.append(tensor)
-        self._dtypes.append((numel, dtype))
-        return tensor, key
+        if self.failure is None:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(descriptor, 0, nbytes)  # ENOSPC now rather than SIGBUS on first touch
+            except OSError as error:
+                self.failure = f"rank {self.rank} could not reserve {nbytes} bytes in {SHM_DIR} ({error})"
+                os.unlink(path)
+            finally:
+                os.close(descriptor)
+        if self.failure is not None:
+            self._own.append(torch.zeros(numel, dtype=dtype))
+        else:
+            self._own.append(torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)[:numel])
+        return self._own[key], key
 
     def connect(self) -> bool:
         """Collective: map every peer's files, then unlink our own (mappings outlive the names). False, on every
-        rank, when some rank could not map a peer's file (separate ``/dev/shm`` namespaces, e.g. containers that
-        share a hostname): gathers then go through the network and the files are only local memory."""
-        self.barrier()
-        try:
-            for key, (numel, dtype) in enumerate(self._dtypes):
-                self._peers.append([self._own[key] if rank == self.rank else self._map(rank, key, numel, dtype)
-                                    for rank in range(self.world_size)])
-            mapped = True
-        except OSError:
-            mapped = False
-        everyone = all_gather_object(mapped, self.group)  # also the barrier before the names go
+        rank, with the reason in ``failure``, when some rank could not reserve its files or map a peer's (separate
+        ``/dev/shm`` namespaces, e.g. containers that share a hostname): gathers then go through the network and
+        the shards are only local memory."""
+        # Agree on allocation first (also the barrier: every file exists before anyone maps it), then on mapping.
+        self.failure = _first(all_gather_object(self.failure, self.group))
+        if self.failure is None:
+            try:
+                for key, (numel, dtype) in enumerate(self._dtypes):
+                    self._peers.append([self._own[key] if rank == self.rank else self._map(rank, key, numel, dtype)
+                                        for rank in range(self.world_size)])
+            except OSError as error:
+                self.failure = f"rank {self.rank} could not map a peer's shard file ({error})"
+            self.failure = _first(all_gather_object(self.failure, self.group))  # and the barrier before unlinking
         self.discard_files()
-        self.connected = all(everyone)
+        self.connected = self.failure is None
         if not self.connected:
             self._peers = []
             self._peer_maps = {}
@@ -143,6 +149,10 @@ def gather_from_shards(output: Tensor, shards: list[Tensor]) -> None:
     """Fill ``output`` (world × shard) with every rank's shard, converting to ``output``'s dtype."""
     for chunk, shard in zip(output.chunk(len(shards)), shards, strict=True):
         chunk.copy_(shard)
+
+
+def _first(failures: list[str | None]) -> str | None:
+    return next((failure for failure in failures if failure is not None), None)
 
 
 def _free_bytes(path: str) -> int:
