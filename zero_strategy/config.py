@@ -108,6 +108,12 @@ class ZeroConfig:
                 f"collectives={self.collectives!r}: use one of {', '.join(map(repr, COLLECTIVE_CHOICES))}."
             )
         self._validate_offload()
+        offloaded = self.offload_optimizer is not OffloadDevice.none
+        if self.collectives == "shared_memory" and (self.stage != 3 or offloaded):
+            raise ZeroConfigError(
+                'collectives="shared_memory" applies to stage 3 without offload only (shared memory holds the '
+                'parameter shards that stage 3 gathers); use "auto" or "point_to_point".'
+            )
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."

@@ -119,15 +119,10 @@ class ZeroEngine:
             and choice in ("auto", "shared_memory")
             and (choice == "shared_memory" or prefers_point_to_point(self.ctx.group))
         )
-        if not applies:
-            if choice == "shared_memory" and self.ctx.world_size > 1:
-                raise ZeroConfigError(
-                    'collectives="shared_memory" applies to stage 3 without offload only; use "auto" or '
-                    '"point_to_point".'
-                )
+        if not applies:  # an explicit "shared_memory" off stage 3 or with offload is refused by ZeroConfig already
             return None
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        model_bytes = sum(p.numel() * 4 for plan in plans for _, p in plan.named_params)  # fp32 shards, all ranks
+        model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
         if SharedShards.usable(self.ctx.group, device, model_bytes):
             return SharedShards(self.ctx.group, self.ctx.rank, self.ctx.world_size, self.ctx.src_rank)
         if choice == "shared_memory":
