@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
-
-from zero_strategy.core.class_patch import override_method, restore_class
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
@@ -104,27 +103,39 @@ def carve_state(param_state: dict[str, Any], param: Tensor, start: int, count: i
 # The user's optimizer holds master slices, so its zero_grad() clears only their gradients. At stage 1 the module's
 # own gradients wait until the step; a zero_grad() in between (manual optimization with several optimizers: G's
 # backward also reached D's parameters) must clear those too, as it would under DDP. torch offers no zero_grad hook,
-# and Lightning's LightningOptimizer calls the optimizer *class's* method, so the optimizer gets a subclass whose
-# zero_grad also runs the engine's callback; release() restores the class.
+# so the optimizer gets an *instance* attribute ``zero_grad`` that calls its class's method, then the engine's
+# callback. Its class stays the user's (``type(opt) is torch.optim.AdamW``, isinstance, pickle), and nothing leaks
+# into a copy: ``Optimizer.__getstate__`` keeps only defaults/state/param_groups, so pickle and deepcopy drop the
+# attribute. release() removes it. (Lightning's wrapper subclasses the optimizer's class, so it would find the
+# class's method first: the Lightning adapter makes its wrappers call the optimizer's own zero_grad.)
 _ZERO_GRAD_CALLBACKS: weakref.WeakKeyDictionary[Optimizer, Callable[[], None]] = weakref.WeakKeyDictionary()
 
 
-def _zero_grad_with_callback(original: Any) -> Callable[..., None]:
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        raw = getattr(self, "_optimizer", self)  # a LightningOptimizer wraps the real one
-        original.zero_grad(raw, set_to_none=set_to_none)
-        hook = _ZERO_GRAD_CALLBACKS.get(raw)
-        if hook is not None:
-            hook()
+def _zero_grad_then_notify(optimizer: Optimizer, set_to_none: bool = True) -> None:
+    type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
+    callback = _ZERO_GRAD_CALLBACKS.get(optimizer)
+    if callback is not None:  # None once the engine released the optimizer: a plain zero_grad
+        callback()
 
-    return zero_grad
+
+def _installed_zero_grad(optimizer: Optimizer) -> bool:
+    attribute = vars(optimizer).get("zero_grad")
+    return isinstance(attribute, MethodType) and attribute.__func__ is _zero_grad_then_notify
 
 
 def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -> None:
-    override_method(optimizer, "zero_grad", _zero_grad_with_callback)
+    """After ``optimizer.zero_grad()``, also run ``callback``. Idempotent (a second call replaces the callback)."""
+    if "zero_grad" in vars(optimizer) and not _installed_zero_grad(optimizer):
+        raise ValueError(
+            f"{qualified_name(optimizer)} already has an instance attribute 'zero_grad' (set by other code); ZeRO "
+            "needs to extend zero_grad to clear the gradients it keeps on the module. Remove that attribute."
+        )
     _ZERO_GRAD_CALLBACKS[optimizer] = callback
+    optimizer.zero_grad = MethodType(_zero_grad_then_notify, optimizer)  # type: ignore[method-assign]
 
 
 def remove_zero_grad_hook(optimizer: Optimizer) -> None:
-    restore_class(optimizer)
+    """Undo :func:`install_zero_grad_hook`. Idempotent."""
     _ZERO_GRAD_CALLBACKS.pop(optimizer, None)
+    if _installed_zero_grad(optimizer):
+        del optimizer.zero_grad

@@ -11,7 +11,6 @@ propagates the new values into the compute-dtype parameters. It contains no coll
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -24,10 +23,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from zero_strategy.core.class_patch import override_method, restore_class
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.plugins.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,8 @@ class ZeroPrecision(Precision):
         self.scaler = DynamicLossScaler(config) if self.compute_dtype == torch.float16 else None
         self._engine: ZeroEngine | None = None
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
+        self._step_schedulers: set[int] = set()  # id() of the LR schedulers Lightning steps every step
+        self._held_module: LightningModule | None = None  # where hold_back_lr_schedulers was installed
 
     # --------------------------------------------------------------------------------------- what it is
     @property
@@ -182,18 +183,29 @@ class ZeroPrecision(Precision):
 
     @override
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
-        """Hold back step-interval LR schedulers after a skipped step (torch AMP lets them advance)."""
-        self._schedulers = [getattr(config, "scheduler", config) for config in lr_schedulers]
-        for config, scheduler in zip(lr_schedulers, self._schedulers, strict=True):
-            if getattr(config, "interval", "step") == "step":
-                _make_skip_aware(scheduler, self._skipped_last)
+        """Hold back step-interval LR schedulers after a skipped fp16 step (torch AMP lets them advance): see
+        [Note: holding the LR schedule back]."""
+        self._step_schedulers = {
+            id(getattr(config, "scheduler", config))
+            for config in lr_schedulers
+            if getattr(config, "interval", None) == "step"
+        }
+        lightning_module = next((m for m in model.modules() if isinstance(m, LightningModule)), None)
+        if self.scaler is not None and lightning_module is not None:
+            hold_back_lr_schedulers(lightning_module, self._holds_back)
+            self._held_module = lightning_module
         return model, optimizers, lr_schedulers
+
+    def _holds_back(self, scheduler: Any) -> bool:
+        """Whether Lightning's step of ``scheduler`` now must do nothing: its optimizer's last step was skipped."""
+        optimizer = getattr(scheduler, "optimizer", None)
+        return id(scheduler) in self._step_schedulers and self._skipped_last.get(id(optimizer), False)
 
     @override
     def teardown(self) -> None:
-        for scheduler in getattr(self, "_schedulers", []):
-            _restore_scheduler(scheduler)
-        self._schedulers = []
+        module, self._held_module = self._held_module, None
+        if module is not None:
+            release_lr_schedulers(module)
         super().teardown()
 
     @override
@@ -213,32 +225,6 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-
-# scheduler -> the plugin's "last step skipped" flags. Kept outside the scheduler: anything stored on it would end
-# up in its state_dict (LRScheduler.state_dict returns its __dict__) and in every checkpoint.
-_SKIP_FLAGS: weakref.WeakKeyDictionary[Any, dict[int, bool]] = weakref.WeakKeyDictionary()
-
-
-def _skip_aware_step(original: Any) -> Callable[..., Any]:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _SKIP_FLAGS.get(self, {}).pop(id(self.optimizer), False):
-            return None  # the optimizer did not step: neither does its schedule
-        return original.step(self, *args, **kwargs)
-
-    return step
-
-
-def _make_skip_aware(scheduler: Any, skipped_last: dict[int, bool]) -> None:
-    """Give ``scheduler`` a ``step`` that does nothing right after its optimizer skipped a step — through a
-    subclass (see core/class_patch.py), so its state_dict is unchanged; teardown restores the class."""
-    override_method(scheduler, "step", _skip_aware_step)
-    _SKIP_FLAGS[scheduler] = skipped_last
-
-
-def _restore_scheduler(scheduler: Any) -> None:
-    restore_class(scheduler)
-    _SKIP_FLAGS.pop(scheduler, None)
 
 
 def _reduce_dtype(name: str | None) -> torch.dtype:

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
@@ -193,6 +195,21 @@ class ZeroStrategy(ParallelStrategy):
         # Lightning installs torch AMP / HalfPrecision for any strategy it does not know; translate them.
         self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
 
+    # ------------------------------------------------------------------------------------------ optimizers
+    @property
+    @override
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+        # Lightning's wrapper subclasses the optimizer's class, so `wrapper.zero_grad()` would run the class's
+        # method and miss the engine's instance-level zero_grad (see [Note: zero_grad reaches the module's
+        # gradients] in core/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
+        for wrapper in self._lightning_optimizers:
+            wrapper.zero_grad = partial(_zero_grad_of, wrapper.optimizer)  # type: ignore[attr-defined]
+
     # ---------------------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -221,7 +238,6 @@ class ZeroStrategy(ParallelStrategy):
         # Only a fit steps optimizers; validate/test/predict after a fit must not re-bind the fit's optimizers.
         optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
         self._engine = ZeroEngine(module, optimizers, self.config, None, entry, self.precision_plugin.policy())
-        self.optimizers = self.optimizers  # rebuild Lightning's wrappers: the engine gave the optimizers a new class
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
@@ -412,6 +428,10 @@ class ZeroStrategy(ParallelStrategy):
                     start_method=start_method,
                     **extra,
                 )
+
+
+def _zero_grad_of(optimizer: Optimizer, set_to_none: bool = True) -> None:
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:
