@@ -145,3 +145,43 @@ def test_overflow_at_minimum_scale_stops_with_a_named_error() -> None:
     for message in messages:
         assert "minimum" in message and "bf16" in message and "step 1" in message
         assert "blocks." in message or "head." in message  # names the first non-finite parameter
+
+
+def _manual_clip_then_step(rank: int, world: int, stage: int) -> dict:
+    """Manual optimization's order in fp16: backward of the scaled loss, clip, step — twice, the second step with
+    an overflow. Returns the global norm of the first update of the fp32 masters and the scaler's state."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: the update is exactly -lr * clipped grad
+    plugin = ZeroPrecision("16-mixed", initial_scale_power=8, hysteresis=1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, min_unit_numel=10**9), policy=plugin.policy())
+    plugin.attach(engine)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    update_norm = 0.0
+    for poison in (False, True):
+        masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean() * 100.0  # large gradients: clipping to 0.01 bites
+        (loss * (float("inf") if poison and rank == 1 else 1.0) * plugin.loss_scale).backward()
+        plugin.clip_grad_by_norm(opt, 0.01)  # what self.clip_gradients(opt, ...) runs
+        plugin.optimizer_step(opt, model=model, closure=lambda: None)  # what opt.step() runs
+        if not poison:
+            after = [p.detach() for g in opt.param_groups for p in g["params"]]
+            local = torch.stack([(a - b).double().pow(2).sum() for a, b in zip(after, masters, strict=True)]).sum()
+            dist.all_reduce(local)
+            update_norm = float(local.sqrt())
+    return {"update_norm": update_norm, "scale": plugin.loss_scale, "skipped": plugin.skipped_steps}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_manual_clipping_unscales_once_before_the_step(stage: int) -> None:
+    """The clip unscales (and, at stage 1, reduces) the gradients; the step must not unscale them again nor move
+    the scale twice. An update norm of lr * max_norm proves both: clipping scaled gradients, or unscaling twice,
+    would give lr * max_norm / 256."""
+    for result in run_ranks(_manual_clip_then_step, 2, stage, timeout_s=45):
+        assert result["update_norm"] == pytest.approx(0.1 * 0.01, rel=1e-4)
+        assert result["skipped"] == 1 and result["scale"] == 2.0**7  # one overflow: halved once

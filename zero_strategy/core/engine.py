@@ -80,6 +80,7 @@ class ZeroEngine:
         self.ctx = _dist_context(group, config.collectives)
         self.comm_log = CommunicationLog()
         self._unused_saved: dict[int, Saved] = {}
+        self._overflow_found: dict[int, bool] = {}  # optimizer index -> unscaled this step; did any rank overflow
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         owner = param_group_index(self.optimizers)
@@ -174,6 +175,7 @@ class ZeroEngine:
 
     def _on_zero_grad(self, optimizer_index: int) -> None:
         """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
+        self._overflow_found.pop(optimizer_index, None)
         for flat in self._flat_params_of(optimizer_index):
             flat.discard_grads()
 
@@ -229,10 +231,17 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------------------------ optimizer step
     def optimizer_index(self, optimizer: Optimizer) -> int:
+        """The position of ``optimizer`` among the optimizers bound at construction. A wrapper that keeps the real
+        optimizer in ``_optimizer`` (Lightning's ``LightningOptimizer``, what manual optimization hands the user)
+        stands for the optimizer it wraps."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
         for index, candidate in enumerate(self.optimizers):
             if candidate is optimizer:
                 return index
-        raise ValueError(f"{type(optimizer).__name__} was not given to ZeRO when the model was sharded")
+        raise ValueError(
+            f"{type(optimizer).__name__} was not given to ZeRO when the model was sharded; only the optimizers "
+            "returned by configure_optimizers (or passed to ZeroEngine) can be stepped or clipped."
+        )
 
     def master_params(self, optimizer: Optimizer) -> list[nn.Parameter]:
         index = self.optimizer_index(optimizer)
@@ -255,8 +264,21 @@ class ZeroEngine:
         if self.shared is not None:
             self.shared.before_writes()  # peers are done reading our shards for this step
 
+    def reduce_pending(self, optimizer: Optimizer) -> None:
+        """Reduce-scatter ``optimizer``'s gradients that are still on the module (stage 1 keeps them there until
+        the step) into its master pieces. Clipping and the overflow check call it, because under manual
+        optimization they run before ``prepare_step`` (between backward and ``opt.step()``). Reducing releases the
+        module's gradients, so a second call, or ``prepare_step`` after it, finds nothing left to send: the
+        gradients are reduced exactly once per step. Collective (every rank calls it at the same point)."""
+        index = self.optimizer_index(optimizer)
+        for unit in self.units:
+            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype)
+        for unit in self.units:
+            unit.finish_reduce()
+
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (padding is in no piece, so excluded)."""
+        self.reduce_pending(optimizer)
         grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         if norm_type == float("inf"):
@@ -281,20 +303,31 @@ class ZeroEngine:
         return total
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        self.reduce_pending(optimizer)
         for param in self.master_params(optimizer):
             if param.grad is not None:
                 param.grad.clamp_(-clip_value, clip_value)
 
     def unscale_and_check_overflow(self, optimizer: Optimizer, inv_scale: float) -> bool:
         """Multiply the reduced gradients by ``inv_scale`` and tell whether any rank saw an inf/NaN (collective:
-        every rank gets the same answer, so every rank skips together)."""
+        every rank gets the same answer, so every rank skips together).
+
+        Once per step: manual optimization unscales when the user clips, before ``opt.step()`` asks again; the
+        second call returns the first answer without unscaling twice. The step, a skipped step and zero_grad()
+        start a new one. Clip after the last backward of a step: gradients reduced after the unscaling would stay
+        scaled (as with torch's GradScaler.unscale_)."""
+        index = self.optimizer_index(optimizer)
+        if index in self._overflow_found:
+            return self._overflow_found[index]
+        self.reduce_pending(optimizer)
         grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
         for grad in grads:
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)
             found += (~torch.isfinite(grad)).any().float()
-        return bool(all_reduce_sum(found, self.ctx.group, self.comm_log).item() > 0)
+        self._overflow_found[index] = bool(all_reduce_sum(found, self.ctx.group, self.comm_log).item() > 0)
+        return self._overflow_found[index]
 
     def first_nonfinite_param(self, optimizer: Optimizer) -> str | None:
         """The first parameter (in flat order, lowest rank first) whose reduced gradient is not finite. Collective."""
@@ -310,6 +343,7 @@ class ZeroEngine:
 
     def discard_grads(self, optimizer: Optimizer) -> None:
         """Drop all gradients of ``optimizer``'s parameters (a skipped step changes nothing)."""
+        self._overflow_found.pop(self.optimizer_index(optimizer), None)
         for flat in self._flat_params_of(self.optimizer_index(optimizer)):
             flat.discard_grads()
 
@@ -325,6 +359,7 @@ class ZeroEngine:
         """Propagate the updated slices: stages 1/2 gather them into the full parameters; stage 3 only drops any
         gathered copy so the next forward gathers the new values."""
         index = self.optimizer_index(optimizer)
+        self._overflow_found.pop(index, None)
         restore_unused(self._unused_saved.pop(index, []))
         refreshing = []
         for flat in self._flat_params_of(index):

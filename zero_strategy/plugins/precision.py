@@ -210,11 +210,21 @@ class ZeroPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._unscale_before_clipping(optimizer)
         self.engine.clip_grad_norm_(optimizer, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._unscale_before_clipping(optimizer)
         self.engine.clip_grad_value_(optimizer, float(clip_val))
+
+    def _unscale_before_clipping(self, optimizer: Optimizer) -> None:
+        """fp16: clipping sees unscaled gradients. Under automatic optimization ``optimizer_step`` has unscaled
+        already; under manual optimization the user clips between ``manual_backward`` and ``opt.step()``, so it
+        happens here and the step finds it done (the engine unscales once per step, after reducing whatever
+        stage 1 still held on the module; the clipping calls reduce that for fp32 too)."""
+        if self.scaler is not None:
+            self.engine.unscale_and_check_overflow(optimizer, 1.0 / self.scaler.scale)
 
     # ----------------------------------------------------------------------------------------- state
     @override
