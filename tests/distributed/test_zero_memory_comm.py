@@ -279,7 +279,10 @@ def mixed_precision_memory_worker(rank, world_size, stage):
     model = make_model(**MODEL)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage), policy=policy)
+    # Point-to-point gathers: with shared-memory shards every rank also maps its peers' shard files, whose pages
+    # belong to (and are counted by) their owners, so a walk of this rank's tensors would count them twice.
+    config = ZeroConfig(stage=stage, collectives="point_to_point")
+    engine = ZeroEngine(model, [optimizer], config, policy=policy)
     out = {}
     for phase, tokens in zip(("after_micro_step", "after_second_micro_step"), batches, strict=True):
         with torch.autocast("cpu", dtype=torch.bfloat16):
