@@ -9,8 +9,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
