@@ -5,11 +5,15 @@
 (spawn launcher, for notebooks and tests).
 """
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.memory import MemoryReport
-from zero_strategy.core.stage import ZeroStage
+from zero_strategy._requirements import check_torch
+
+check_torch()  # before anything else: an old torch fails here with a message naming the need
+
+from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
+from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
+from zero_strategy.core.engine import ZeroEngine  # noqa: E402
+from zero_strategy.core.memory import MemoryReport  # noqa: E402
+from zero_strategy.core.stage import ZeroStage  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ from zero_strategy.tools.estimate import (
 
 MODEL = {"vocab": 63, "width": 47, "n_blocks": 4}  # root unit (embedding, final norm) + 4 blocks, odd: padded
 WORLD = 2
-TOLERANCE = 0.10
+TOLERANCE = 0.001  # the README states "within 0.1 %": byte counts are deterministic, so the bound is exact
 RUNS = [(stage, precision, "none") for precision in ("32-true", "bf16-mixed") for stage in (1, 2, 3)]
 OFFLOAD_RUNS = [(1, "32-true", "cpu"), (3, "bf16-mixed", "cpu")]
 REPO = Path(__file__).resolve().parents[2]
@@ -143,11 +143,11 @@ def format_rows(rows: list[tuple[str, str, int, int]]) -> str:
 
 # ----------------------------------------------------------------------------------------------------- tests
 @pytest.mark.timeout(60)
-def test_predictions_match_measured_bytes_within_ten_percent(measured):
+def test_predictions_match_measured_bytes_within_a_tenth_of_a_percent(measured):
     rows = comparison_rows(measured)
     print("\n" + format_rows(rows))
     bad = [row for row in rows if abs(row[2] - row[3]) > TOLERANCE * row[3]]
-    assert not bad, "off by more than 10%:\n" + format_rows(bad)
+    assert not bad, "off by more than 0.1%:\n" + format_rows(bad)
     # the engine's own report and the independent walk agree on the optimizer state
     assert all(measured[run]["report"][2] == measured[run]["optimizer_state"] for run in RUNS)
 

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroStrategy
+
+REDUCTION_DELAY_S = 0.1
+
+
+class SlowReductions(Callback):
+    """Makes every reduce-scatter of a spawned rank take ``REDUCTION_DELAY_S`` longer to complete: the wait of the
+    exchange's handle sleeps first, as a slow network would keep it waiting."""
+
+    def setup(self, trainer: Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from zero_strategy.core import point_to_point
+
+        original = point_to_point.reduce_scatter_sum
+
+        def slow_reduce_scatter_sum(*args, **kwargs):
+            work = original(*args, **kwargs)
+            wait = work.wait
+
+            def slow_wait() -> bool:
+                time.sleep(REDUCTION_DELAY_S)
+                return wait()
+
+            work.wait = slow_wait
+            return work
+
+        point_to_point.reduce_scatter_sum = slow_reduce_scatter_sum
 
 
 class Blocks(pl.LightningModule):
@@ -36,6 +63,7 @@ def test_profile_logs_bytes_and_time_per_collective(tmp_path: Path, capsys: pyte
         strategy=ZeroStrategy(stage=3, start_method="spawn", profile=True),
         accelerator="cpu", devices=2, max_steps=4, log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, logger=CSVLogger(tmp_path, name="p"),
+        callbacks=[SlowReductions()],
     )
     trainer.fit(Blocks(), DataLoader(TensorDataset(torch.randn(64, 64)), batch_size=8))
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
@@ -49,3 +77,12 @@ def test_profile_logs_bytes_and_time_per_collective(tmp_path: Path, capsys: pyte
     steps = [float(r["comm/step_s"]) for r in rows if r.get("comm/step_s")]
     compute = [float(r["comm/compute_s"]) for r in rows if r.get("comm/compute_s")]
     assert all(0 <= c <= s for c, s in zip(compute, steps, strict=True))
+    # Each step reduces the three blocks once (point-to-point on gloo), each wait delayed by REDUCTION_DELAY_S: the
+    # reported blocked time must contain the injected delay, and not much more (the real exchange of 16 KiB takes
+    # well under a millisecond; the slack allows for a busy machine).
+    blocked = [float(r["comm/reduce_scatter_blocked_s"]) for r in rows if r.get("comm/reduce_scatter_blocked_s")]
+    assert len(blocked) == 4
+    injected = 3 * REDUCTION_DELAY_S
+    assert all(injected <= b <= injected + 0.25 for b in blocked), blocked
+    exposed = [float(r["comm/exposed_s"]) for r in rows if r.get("comm/exposed_s")]
+    assert all(e >= b for e, b in zip(exposed, blocked, strict=True)) and all(s >= injected for s in steps)

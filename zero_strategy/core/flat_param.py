@@ -243,6 +243,11 @@ class FlatParam:
             return self._device_source
         return self.shard.to(device=self.full.device, dtype=self.full.dtype)
 
+    @property
+    def device_source(self) -> Tensor | None:
+        """The device-side compute copy of an offloaded shard (GPU with host masters), or None."""
+        return self._device_source
+
     def refresh_device_source(self) -> None:
         """After a step on offloaded masters: update the device-side compute copy."""
         if self._device_source is not None:

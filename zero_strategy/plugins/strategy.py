@@ -291,6 +291,7 @@ class ZeroStrategy(ParallelStrategy):
             # ("terminate called without an active exception") after its work was done.
             dist.barrier()
             dist.destroy_process_group()
+            _report_rank_finished(self.local_rank)
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
@@ -432,6 +433,18 @@ class ZeroStrategy(ParallelStrategy):
 
 def _zero_grad_of(optimizer: Optimizer, set_to_none: bool = True) -> None:
     optimizer.zero_grad(set_to_none=set_to_none)
+
+
+RANK_FINISHED_DIR_ENV = "ZERO_STRATEGY_RANK_FINISHED_DIR"
+
+
+def _report_rank_finished(local_rank: int) -> None:
+    """Tell a launching harness that this spawned rank's work is done: with ``$ZERO_STRATEGY_RANK_FINISHED_DIR``
+    set, write ``rank<local rank>.finished`` there. A harness can then tell a rank killed at interpreter exit
+    (worth a retry) from one that died while training (a failure); this project's test suite does."""
+    directory = os.environ.get(RANK_FINISHED_DIR_ENV)
+    if directory:
+        (Path(directory) / f"rank{local_rank}.finished").touch()
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:
