@@ -48,6 +48,7 @@ from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.plugins.preemption import install_preemption_saver
 from zero_strategy.plugins.profiler import CommunicationProfiler
 from zero_strategy.tools.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 
@@ -208,6 +209,7 @@ class ZeroStrategy(ParallelStrategy):
         if self.config.profile and not any(isinstance(c, CommunicationProfiler) for c in callbacks):
             callbacks.append(CommunicationProfiler())
         if trainer.state.fn == TrainerFn.FITTING:
+            install_preemption_saver(trainer)  # see [Note: preemption saves at a step boundary]
             self._fit_engine = None  # a new fit: the previous fit's optimizers are replaced
             self.setup_optimizers(trainer)
         self._shard_model()
@@ -342,12 +344,8 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         engine = self._fit_engine
         distributed = _distributed_is_initialized()
-        if (
-            engine is not None
-            and distributed
-            and len(engine.optimizers) == len(self.optimizers)
-            and all(a is b for a, b in zip(engine.optimizers, self.optimizers, strict=True))
-        ):
+        # the fit's optimizers are still the Trainer's (a later test/validate keeps them; a new fit replaces them)
+        if engine is not None and distributed and list(map(id, engine.optimizers)) == list(map(id, self.optimizers)):
             copy_module_into_shards(engine)
             self.checkpoint_io.save_sharded(engine, checkpoint, path)
             return
