@@ -1,7 +1,7 @@
 """``zero-to-fp32 CHECKPOINT OUTPUT`` (also ``python -m zero_strategy.checkpoint``): consolidate a sharded
-checkpoint directory into one fp32 file. Exit status 0 on success, 2 on a damaged or unusable checkpoint or an
-unsupported output name, 1 when the output cannot be written (one line on stderr saying which file and what is
-wrong)."""
+checkpoint directory (or convert a plain torch / Lightning checkpoint file) into one fp32 file. Exit status 0 on
+success, 2 on a damaged or unusable checkpoint or an unsupported output name, 1 when the output cannot be written
+(one line on stderr saying which file and what is wrong)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Consolidate a zero_strategy sharded checkpoint directory (any world size and ZeRO stage) into one "
             "file holding the LightningModule's full state_dict: parameters in fp32, buffers in their own dtype. "
-            "The output needs only torch / safetensors to load."
+            "The output needs only torch / safetensors to load. A plain Lightning / torch checkpoint file is "
+            "converted the same way (floating-point tensors to fp32)."
         ),
     )
-    parser.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    parser.add_argument(
+        "checkpoint",
+        help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt), or a plain Lightning / torch file",
+    )
     parser.add_argument(
         "output",
         help=(

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.plain_file import read_plain_checkpoint
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.safetensors_io import DTYPE_CODES, write_safetensors
 
@@ -62,9 +63,11 @@ def consolidate(
 ) -> Path:
     """Write the full fp32 state_dict of the sharded ``checkpoint`` directory to ``output`` and return its path.
 
-    The format follows the suffix of ``output``: ``.safetensors`` (streamed, one tensor in memory at a time),
-    ``.pt`` / ``.bin`` (a state_dict written by ``torch.save``) or ``.ckpt`` (a Lightning checkpoint without
-    optimizer and scheduler state, for ``YourModule.load_from_checkpoint``). The file appears atomically
+    ``checkpoint`` may also be a plain single file (a Lightning ``.ckpt`` or a torch state_dict): it is converted
+    to ``output`` the same way, floating-point tensors in fp32. The format follows the suffix of ``output``:
+    ``.safetensors`` (streamed, one tensor in memory at a time), ``.pt`` / ``.bin`` (a state_dict written by
+    ``torch.save``) or ``.ckpt`` (a Lightning checkpoint without optimizer and scheduler state, for
+    ``YourModule.load_from_checkpoint``). The file appears atomically
     (temporary name, then ``os.replace``). ``weights_only=False`` unpickles the trainer state in full: only for
     checkpoints you trust whose hyper-parameters hold objects. Raises :class:`CheckpointError` for a damaged or
     incomplete checkpoint and ``ValueError`` for an unsupported suffix.
@@ -78,6 +81,10 @@ def consolidate(
         )
     if target.is_dir():
         raise ValueError(f"{target} is a directory; give the path of the file to write")
+    if Path(checkpoint).is_file():  # a plain torch / Lightning checkpoint: convert it (see plain_file.py)
+        state_dict, trainer_state = read_plain_checkpoint(Path(checkpoint), weights_only)
+        _write_plain(state_dict, trainer_state, target)
+        return target
     with ShardedCheckpoint(checkpoint) as ckpt:
         entries = _entries(ckpt)
         state = _TrainerState(ckpt, weights_only)
@@ -193,6 +200,28 @@ def _write_safetensors(
     tensors = (value for _, value in _values(ckpt, entries, state, on_bytes, share_tied=False))
     metadata = {"format": "pt", "zero_strategy_checkpoint_id": ckpt.manifest.checkpoint_id}
     _replace_atomically(target, lambda path: write_safetensors(path, specs, tensors, metadata))
+
+
+def _write_plain(state_dict: dict[str, Any], trainer_state: dict[str, Any] | None, target: Path) -> None:
+    """Write a plain checkpoint's tensors (already whole, in memory) in the format ``target``'s suffix names."""
+    suffix = target.suffix.lower()
+    if suffix == SAFETENSORS_SUFFIX:
+        for key, value in state_dict.items():
+            if not isinstance(value, Tensor) or value.dtype not in DTYPE_CODES:
+                raise ValueError(
+                    f"state_dict entry {key!r} is not a tensor safetensors can hold; consolidate to "
+                    f"{' or '.join(STATE_DICT_SUFFIXES)} instead"
+                )
+        specs = [(key, value.dtype, list(value.shape)) for key, value in state_dict.items()]
+        tensors = iter(state_dict.values())
+        _replace_atomically(target, lambda path: write_safetensors(path, specs, tensors, {"format": "pt"}))
+        return
+    content: dict[str, Any] = state_dict
+    if suffix == LIGHTNING_SUFFIX:
+        content = {k: v for k, v in (trainer_state or {}).items() if k not in _LEFT_OUT_OF_CKPT}
+        content.setdefault("pytorch-lightning_version", _installed_lightning())
+        content["state_dict"] = state_dict
+    _replace_atomically(target, lambda path: _torch_save_synced(content, path))
 
 
 def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: _TrainerState, state_dict: dict[str, Any]) -> dict:

@@ -53,7 +53,12 @@ def check_compatible(engine: ZeroEngine, ckpt: ShardedCheckpoint, strict: bool, 
         )
     if with_optimizer:
         if not ckpt.manifest.has_optimizer_state:
-            raise CheckpointError(f"{where} holds no optimizer state (saved with save_weights_only=True)")
+            why = ckpt.manifest.extra.get("optimizer_state_absent", "saved with save_weights_only=True")
+            raise CheckpointError(
+                f"{where} holds no optimizer state ({why}), so a fit cannot resume from it. To start a new fit "
+                "from its weights: zero_strategy.consolidate(checkpoint, 'model.pt'), load that state_dict into "
+                "the module, and fit without ckpt_path."
+            )
         saved = ckpt.manifest.optimizers
         current = [{"class": qualified_name(o), "param_groups": len(o.param_groups)} for o in engine.optimizers]
         if saved != current:

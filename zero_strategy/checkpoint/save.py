@@ -13,7 +13,7 @@ import itertools
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class SaveInfo:
     precision: str
     offload: dict[str, Any]
     versions: dict[str, str]
+    extra: dict[str, Any] = field(default_factory=dict)  # the manifest's free-form notes
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ def _publish(
         shard_bytes=shard_bytes,
         trainer_state_bytes=state_path.stat().st_size,
         has_optimizer_state=with_optimizer,
+        extra=dict(info.extra),
     )
     manifest.write_atomically(staging.root)
     if staging.fresh:

@@ -51,20 +51,28 @@ class ShardedCheckpointIO(CheckpointIO):
             raise TypeError("ShardedCheckpointIO.save_checkpoint does not take storage_options")
         if self._engine is None:
             # Not sharding (after teardown): Lightning's spawn launcher hands the final plain state_dict from
-            # rank 0 to the main process through this plugin. Write it as TorchCheckpointIO would.
+            # rank 0 to the main process through this plugin. Write it as TorchCheckpointIO would. (A user's
+            # trainer.save_checkpoint after fit does not come here: ZeroStrategy writes a sharded directory.)
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, path)
             return
+        self.save_sharded(self.engine, checkpoint, path)
+
+    def save_sharded(self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Write ``checkpoint`` (Lightning's dict) as a sharded directory from ``engine``'s shards. Collective."""
         # The module's parameters and the optimizer states live in the shards; keep Lightning's remaining state.
         trainer_state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         if "optimizer_states" in trainer_state:
             trainer_state["optimizer_states"] = [{} for _ in trainer_state["optimizer_states"]]
+        save_sharded(engine, path, trainer_state, self.save_info())
+
+    def save_info(self, extra: dict[str, Any] | None = None) -> SaveInfo:
         versions = {
             "zero_strategy": _library_version(),
             "torch": torch.__version__,
             "lightning": lightning.__version__,
         }
-        save_sharded(self.engine, path, trainer_state, SaveInfo(self._precision, {}, versions))
+        return SaveInfo(self._precision, {}, versions, dict(extra or {}))
 
     @override
     def load_checkpoint(

@@ -31,13 +31,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
+from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY, copy_module_into_shards, save_module_weights
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -49,6 +50,7 @@ from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.plugins.preemption import install_preemption_saver
 from zero_strategy.plugins.profiler import CommunicationProfiler
 from zero_strategy.tools.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 
@@ -117,6 +119,8 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._engine: ZeroEngine | None = None
+        # the last fit's released engine: its master slices and optimizer state serve a save after fit
+        self._fit_engine: ZeroEngine | None = None
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
     # ------------------------------------------------------------------------------------------ topology
@@ -222,6 +226,8 @@ class ZeroStrategy(ParallelStrategy):
         if self.config.profile and not any(isinstance(c, CommunicationProfiler) for c in callbacks):
             callbacks.append(CommunicationProfiler())
         if trainer.state.fn == TrainerFn.FITTING:
+            install_preemption_saver(trainer)  # see [Note: preemption saves at a step boundary]
+            self._fit_engine = None  # a new fit: the previous fit's optimizers are replaced
             self.setup_optimizers(trainer)
         self._shard_model()
         self.setup_precision_plugin()
@@ -275,6 +281,8 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.release()  # the LightningModule holds full, up-to-date parameters again
+            if self._engine.optimizers:  # kept for a save after fit (see [Note: saving after fit])
+                self._fit_engine = self._engine
             self._engine = None
             if self.lightning_module is not None:
                 remove_activation_checkpointing(self.lightning_module)
@@ -326,11 +334,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty while sharded: parameters and buffers are written by each rank into its shard, never gathered.
-        Unsharded (after teardown, e.g. in the main process after a spawn-launched fit) the module holds full
-        parameters and the checkpoint becomes a plain single-file Lightning checkpoint."""
-        if self._engine is None and self.lightning_module is not None:
-            return self.lightning_module.state_dict()
+        """Empty: parameters and buffers are written by each rank into its shard, never gathered (after fit too,
+        see [Note: saving after fit] in zero_strategy/checkpoint/unsharded.py)."""
         return {}
 
     @override
@@ -342,7 +347,42 @@ class ZeroStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank; every rank writes its shard into the directory rank 0 names.
         path = self.broadcast(filepath)
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if self._engine is not None:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
+        self._save_unsharded(checkpoint, path)
+
+    def _save_unsharded(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """A save after fit (or outside any fit) still writes a sharded directory: see [Note: saving after fit]
+        in zero_strategy/checkpoint/unsharded.py."""
+        module = self.lightning_module
+        assert module is not None
+        engine = self._fit_engine
+        distributed = _distributed_is_initialized()
+        # the fit's optimizers are still the Trainer's (a later test/validate keeps them; a new fit replaces them)
+        if engine is not None and distributed and list(map(id, engine.optimizers)) == list(map(id, self.optimizers)):
+            copy_module_into_shards(engine)
+            self.checkpoint_io.save_sharded(engine, checkpoint, path)
+            return
+        if not distributed and self.global_rank != 0:
+            return  # no process group to share the directory with: one writer (the spawn launcher's main process)
+        extra: dict[str, Any] = {}
+        if "optimizer_states" in checkpoint:  # optimizer state was asked for and does not exist here
+            if self._start_method != "popen" and not distributed:
+                why = "saved after a spawn-launched fit: the optimizer state lived in the worker processes"
+            else:
+                why = "saved outside fit, where this process holds no optimizer state"
+            extra[NO_OPTIMIZER_STATE_KEY] = why
+            rank_zero_warn(
+                f"{path}: {why}. The checkpoint holds the weights only: zero-to-fp32 / consolidate work, resuming "
+                "a fit from it does not. To keep the optimizer state, save during fit (ModelCheckpoint) or call "
+                f"trainer.save_checkpoint after a fit with the plain name (e.g. 'zero{self.config.stage}', which "
+                "runs fit in this process)."
+            )
+        state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        save_module_weights(module, self.config, path, state, self.checkpoint_io.save_info(extra))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -351,7 +391,9 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        with_optimizer = fitting and "optimizer_states" in state and bool(self.optimizers)
+        opened = self.checkpoint_io.opened
+        absent = opened is not None and NO_OPTIMIZER_STATE_KEY in opened.manifest.extra  # said why: say it again
+        with_optimizer = fitting and ("optimizer_states" in state or absent) and bool(self.optimizers)
         self.checkpoint_io.check(strict=module.strict_loading, with_optimizer=with_optimizer)
         return state
 
