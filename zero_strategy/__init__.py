@@ -35,8 +35,9 @@ except ImportError:  # pragma: no cover - Lightning is a dependency; this keeps 
 else:
     from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
     from zero_strategy.plugins.precision import ZeroPrecision
-    from zero_strategy.plugins.strategy import ZeroStrategy, install_precision_selection
+    from zero_strategy.plugins.precision_selection import install_precision_selection
+    from zero_strategy.plugins.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
-    install_precision_selection()
+    install_precision_selection(ZeroStrategy)
     __all__ += ["ShardedCheckpointIO", "ZeroPrecision", "ZeroStrategy"]
