@@ -10,8 +10,9 @@ from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport
 from zero_strategy.core.stage import ZeroStage
+from zero_strategy.version import library_version
 
-__version__ = "0.1.0"
+__version__ = library_version()
 
 __all__ = [
     "MemoryReport",

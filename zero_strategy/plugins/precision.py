@@ -28,29 +28,10 @@ from zero_strategy.core.class_patch import override_method, restore_class
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
+from zero_strategy.core.precision_names import reduce_dtype_named as _reduce_dtype
 
 log = logging.getLogger(__name__)
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "16-mixed": torch.float16,
-    "bf16-mixed": torch.bfloat16,
-}
-ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed"}
-
-
-def normalize_precision(precision: str | int) -> str:
-    name = ALIASES.get(str(precision), str(precision))
-    if name in ("16-true", "bf16-true"):
-        raise ValueError(
-            f"precision={precision!r}: ZeroStrategy keeps fp32 master weights; use "
-            f"'{name.replace('-true', '-mixed')}' for the same memory saving with fp32 masters."
-        )
-    if name not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"precision={precision!r} is not supported by ZeroStrategy; use one of {sorted(COMPUTE_DTYPES)}."
-        )
-    return name
 
 
 class ZeroPrecision(Precision):
@@ -239,12 +220,3 @@ def _make_skip_aware(scheduler: Any, skipped_last: dict[int, bool]) -> None:
 def _restore_scheduler(scheduler: Any) -> None:
     restore_class(scheduler)
     _SKIP_FLAGS.pop(scheduler, None)
-
-
-def _reduce_dtype(name: str | None) -> torch.dtype:
-    """Gradients are reduced in fp32 unless asked otherwise (half the bytes in bf16, at some accuracy)."""
-    table = {None: torch.float32, "fp32": torch.float32, "32": torch.float32, "float32": torch.float32,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"reduce_dtype={name!r}: use 'fp32', 'bf16' or 'fp16'")
-    return table[name]
