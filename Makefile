@@ -18,8 +18,8 @@ train: setup
 	$(BIN)/python examples/train.py
 
 lint: setup
-	$(BIN)/ruff check zero_strategy tests examples
-	$(BIN)/mypy zero_strategy examples
+	$(BIN)/ruff check zero_strategy tests examples benchmarks
+	$(BIN)/mypy zero_strategy examples benchmarks
 
 # A spawned rank that dies by a signal at process exit after its work is done (a rare gloo shutdown abort, under
 # investigation) is retried once; any other failure, and a second such exit, fails the run.
