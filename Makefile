@@ -18,8 +18,8 @@ train: setup
 	$(BIN)/python examples/train.py
 
 lint: setup
-	$(BIN)/ruff check zero_strategy tests examples
-	$(BIN)/mypy zero_strategy examples
+	$(BIN)/ruff check zero_strategy tests examples benchmarks
+	$(BIN)/mypy zero_strategy examples benchmarks
 
 # A test whose spawned rank died by a signal at process exit *after* writing its finished marker (a rare gloo
 # shutdown abort) is retried once; a rank that dies while working, any other failure, and a second such exit fail

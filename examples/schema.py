@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
@@ -17,36 +18,40 @@ from omegaconf import II, MISSING
 from examples.gpt import GPTConfig
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.loss_scaler import LossScalerConfig
+from zero_strategy.core.stage import ZeroStage
+from zero_strategy.names import BY_NAME
+
+DEEPSPEED_NAMES = ("deepspeed", "deepspeed_spawn")
+"""The example's own names (not registered with Lightning): import a DeepSpeed JSON config."""
 
 
-class StrategyName(Enum):
-    """Names under which ``zero_strategy`` registers its strategy with Lightning."""
-
-    zero1 = "zero1"
-    zero2 = "zero2"
-    zero3 = "zero3"
-    zero1_spawn = "zero1_spawn"
-    zero2_spawn = "zero2_spawn"
-    zero3_spawn = "zero3_spawn"
-    zero2_offload = "zero2_offload"
-    zero3_offload = "zero3_offload"
-    zero3_offload_nvme = "zero3_offload_nvme"
-    deepspeed = "deepspeed"
-    deepspeed_spawn = "deepspeed_spawn"
+class _StrategyNames(Enum):
+    """What a strategy name stands for, read from the library's single list (``zero_strategy.names``)."""
 
     @property
-    def stage(self) -> int | None:
+    def stage(self) -> ZeroStage | None:
         """The ZeRO stage the name stands for (None for ``deepspeed``: the DeepSpeed config says)."""
-        return None if self.is_deepspeed else int(self.value[len("zero")])
+        return None if self.is_deepspeed else BY_NAME[self.value].stage
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.value.startswith("deepspeed")
+        return self.value in DEEPSPEED_NAMES
 
     @property
     def start_method(self) -> str:
         """How ranks are started: ``"spawn"`` (multiprocessing) or ``"popen"`` (re-run the script)."""
         return "spawn" if self.value.endswith("_spawn") else "popen"
+
+
+# The enum OmegaConf validates ``strategy.name`` against: every name the library registers, plus the example's
+# DeepSpeed import, so a new library name is accepted here without an edit. (mypy cannot follow a functional enum
+# of a subclass, so it sees the base class with the properties.)
+if TYPE_CHECKING:
+    StrategyName = _StrategyNames
+else:
+    StrategyName = _StrategyNames(
+        "StrategyName", [(n, n) for n in (*BY_NAME, *DEEPSPEED_NAMES)], module=__name__, qualname="StrategyName"
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -74,7 +74,7 @@ def check_strategy(cfg: DictConfig) -> tuple[StrategyName, ZeroConfig]:
         return name, zero_config
     if schema.config is not None:
         fail("strategy", f"config={schema.config!r} is only read with strategy=deepspeed.")
-    if zero_config.stage != name.stage:
+    if zero_config.zero_stage is not name.stage:
         fail(
             "strategy",
             f"stage={zero_config.stage} contradicts strategy.name={name.value}; "
@@ -89,7 +89,7 @@ def build_strategy(
     """``ZeroStrategy(stage=..., start_method=..., **options)`` from a validated config, or from a DeepSpeed
     config with ``strategy=deepspeed strategy.config=ds_config.json``."""
     if name.is_deepspeed:
-        from zero_strategy.tools.deepspeed_config import DeepSpeedConfigError
+        from zero_strategy.deepspeed_config import DeepSpeedConfigError
 
         try:
             return zero_strategy.ZeroStrategy.from_deepspeed_config(

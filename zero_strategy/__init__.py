@@ -14,8 +14,9 @@ from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # n
 from zero_strategy.core.engine import ZeroEngine  # noqa: E402
 from zero_strategy.core.memory import MemoryReport  # noqa: E402
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
+from zero_strategy.version import library_version  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = library_version()
 
 __all__ = [
     "MemoryReport",

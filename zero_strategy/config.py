@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from zero_strategy.core.stage import ZeroStage
+
 
 class OffloadDevice(str, Enum):
     """Where sharded state lives between uses: on the compute device, in host memory, or in files.
@@ -92,7 +94,7 @@ class ZeroConfig:
     """With activation checkpointing on a GPU, keep the checkpointed inputs in host memory."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3):
+        if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
                 f"stage={self.stage!r} is not a ZeRO stage: use 1 (optimizer state sharded), "
                 "2 (+ gradients) or 3 (+ parameters)."
@@ -109,7 +111,7 @@ class ZeroConfig:
             )
         self._validate_offload()
         offloaded = self.offload_optimizer is not OffloadDevice.none
-        if self.collectives == "shared_memory" and (self.stage != 3 or offloaded):
+        if self.collectives == "shared_memory" and (not self.zero_stage.reshards_parameters or offloaded):
             raise ZeroConfigError(
                 'collectives="shared_memory" applies to stage 3 without offload only (shared memory holds the '
                 'parameter shards that stage 3 gathers); use "auto" or "point_to_point".'
@@ -119,6 +121,11 @@ class ZeroConfig:
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."
             )
 
+    @property
+    def zero_stage(self) -> ZeroStage:
+        """``stage`` as a :class:`ZeroStage`, whose properties are the only place the stage's decisions live."""
+        return ZeroStage(self.stage)
+
     def _validate_offload(self) -> None:
         for key in ("offload_optimizer", "offload_param"):
             value = getattr(self, key)
@@ -126,7 +133,7 @@ class ZeroConfig:
                 setattr(self, key, OffloadDevice(value.value if isinstance(value, OffloadDevice) else value))
             except ValueError:
                 raise ZeroConfigError(f"{key}={value!r}: use 'none', 'cpu' or 'nvme'.") from None
-        if self.offload_param is not OffloadDevice.none and self.stage != 3:
+        if self.offload_param is not OffloadDevice.none and not self.zero_stage.reshards_parameters:
             raise ZeroConfigError(
                 f"offload_param={self.offload_param.value!r} needs stage=3 (stages 1/2 keep full parameters on "
                 "every rank); use stage=3 or offload_optimizer instead."

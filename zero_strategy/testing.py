@@ -1,4 +1,5 @@
-"""A small multi-process harness for tests and benchmarks: run a function on N CPU ranks over gloo.
+"""A small public multi-process harness (README: "Testing your own code on several ranks"), used by this
+repository's tests and benchmarks: run a function on N CPU ranks over gloo.
 
 Each rank runs in a forked process with a short process-group timeout; the harness waits at most
 ``timeout_s`` and kills every rank if one raises or hangs, re-raising the failing rank's traceback.

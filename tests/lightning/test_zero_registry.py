@@ -45,3 +45,16 @@ def test_strategy_rejects_bad_options():
         ZeroStrategy(stage=2, bogus_option=1)
     with pytest.raises(ValueError, match="start_method"):
         ZeroStrategy(stage=2, start_method="thread")
+
+
+@pytest.mark.timeout(30)
+def test_registry_holds_exactly_the_listed_names():
+    from zero_strategy.names import STRATEGY_NAMES
+
+    available = StrategyRegistry.available_strategies()
+    ours = {name for name in available if StrategyRegistry[name]["strategy"] is ZeroStrategy}
+    assert ours == {entry.name for entry in STRATEGY_NAMES}
+    for entry in STRATEGY_NAMES:
+        strategy = StrategyRegistry.get(entry.name)
+        assert (strategy.config.zero_stage, strategy._start_method) == (entry.stage, entry.start_method)
+        assert {key: getattr(strategy.config, key) for key in entry.options} == dict(entry.options)

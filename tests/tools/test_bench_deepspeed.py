@@ -2,7 +2,7 @@
 
 Checks what the rows claim: DeepSpeed trains the same model to the same losses as DDP, the counter sees its
 collectives, and the model-state walk finds its partitions and buffers. DeepSpeed holds more than the ZeRO paper's
-16Ψ family (see [Note: how DeepSpeed is configured] in ``zero_strategy.tools.bench_deepspeed``), so the state is
+16Ψ family (see [Note: how DeepSpeed is configured] in ``benchmarks.bench_deepspeed``), so the state is
 held to DeepSpeed's own layout; its ratio to the shared theory is what the table prints.
 
 The first DeepSpeed run on a machine builds its CPU shared-memory op (about a minute, cached afterwards).
@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 
 from helpers.bench_report import table_rows
 
-from zero_strategy.tools.benchmark import main
+from benchmarks.benchmark import main
 
 WORLD = 2  # the benchmark's default number of ranks
 # The tiny preset's parameters are all under stage3_param_persistence_threshold (1e5 elements): never released.

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m zero_strategy.tools.benchmark``: the tiny preset end to end, in-process.
+"""Smoke test of ``python -m benchmarks.benchmark``: the tiny preset end to end, in-process.
 
 The ranks are forked gloo processes as in a real run; the assertions read the printed table only, so they hold
 the report to what a user sees.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers.bench_report import table_rows
 
-from zero_strategy.tools.benchmark import main
+from benchmarks.benchmark import main
 
 
 def _mib(cell: str) -> float:
@@ -23,7 +23,7 @@ def test_tiny_benchmark_reports_ddp_and_zero3(capsys):
     report = main(["--params", "tiny", "--reps", "1", "--steps", "2", "--methods", "ddp,zero3"])
 
     assert report in capsys.readouterr().out
-    assert "torch " in report and "python -m zero_strategy.tools.benchmark --params tiny" in report
+    assert "torch " in report and "python -m benchmarks.benchmark --params tiny" in report
     rows = table_rows(report)
     assert sorted(rows) == ["ddp", "zero3"]
     for method, cells in rows.items():

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import zero_strategy
-from zero_strategy.tools.deepspeed_config import (
+from zero_strategy.deepspeed_config import (
     BatchRule,
     DeepSpeedConfigError,
     DeepSpeedImport,

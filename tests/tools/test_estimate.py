@@ -23,9 +23,7 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import memory_report
-from zero_strategy.plugins.precision import ZeroPrecision
-from zero_strategy.testing import run_ranks
-from zero_strategy.tools.estimate import (
+from zero_strategy.estimate import (
     CONFIGURATIONS,
     OPTIMIZER_STATE_BYTES,
     compare,
@@ -33,6 +31,8 @@ from zero_strategy.tools.estimate import (
     measure_activation_bytes,
     smallest_fitting,
 )
+from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.testing import run_ranks
 
 MODEL = {"vocab": 63, "width": 47, "n_blocks": 4}  # root unit (embedding, final norm) + 4 blocks, odd: padded
 WORLD = 2
@@ -229,7 +229,7 @@ def test_activations_are_the_storages_saved_for_backward():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "zero_strategy.tools.estimate", *args]
+    command = [sys.executable, "-m", "zero_strategy.estimate", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=50, cwd=REPO)
 
 
@@ -245,7 +245,7 @@ def test_cli_prints_every_configuration_and_the_smallest_that_fits():
 
 @pytest.mark.timeout(30)
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
-    from zero_strategy.tools.estimate import main
+    from zero_strategy.estimate.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(SystemExit, match="pip install matplotlib"):
@@ -255,7 +255,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, c
 @pytest.mark.timeout(30)
 def test_plot_draws_one_bar_per_configuration(tmp_path):
     pytest.importorskip("matplotlib")
-    from zero_strategy.tools.estimate import main
+    from zero_strategy.estimate.cli import main
 
     chart = tmp_path / "chart.png"
     assert main(["--params", "7e9", "--world-size", "8", "--device-memory", "80GB", "--plot", str(chart)]) == 0
@@ -266,4 +266,4 @@ def test_plot_draws_one_bar_per_configuration(tmp_path):
 def test_console_script_points_at_main():
     text = (REPO / "pyproject.toml").read_text()  # (tomllib is not in Python 3.10, which we support)
     scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
-    assert 'zero-estimate = "zero_strategy.tools.estimate:main"' in scripts.splitlines()
+    assert 'zero-estimate = "zero_strategy.estimate.cli:main"' in scripts.splitlines()

@@ -23,6 +23,7 @@ from zero_strategy.checkpoint.load import check_compatible
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.version import library_version
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -113,6 +114,4 @@ class ShardedCheckpointIO(CheckpointIO):
 
 
 def _library_version() -> str:
-    from zero_strategy import __version__
-
-    return __version__
+    return library_version()

@@ -26,30 +26,11 @@ from typing_extensions import override
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
+from zero_strategy.core.precision_names import reduce_dtype_named as _reduce_dtype
 from zero_strategy.plugins.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 log = logging.getLogger(__name__)
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "16-mixed": torch.float16,
-    "bf16-mixed": torch.bfloat16,
-}
-ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed"}
-
-
-def normalize_precision(precision: str | int) -> str:
-    name = ALIASES.get(str(precision), str(precision))
-    if name in ("16-true", "bf16-true"):
-        raise ValueError(
-            f"precision={precision!r}: ZeroStrategy keeps fp32 master weights; use "
-            f"'{name.replace('-true', '-mixed')}' for the same memory saving with fp32 masters."
-        )
-    if name not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"precision={precision!r} is not supported by ZeroStrategy; use one of {sorted(COMPUTE_DTYPES)}."
-        )
-    return name
 
 
 class ZeroPrecision(Precision):
@@ -237,10 +218,3 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-def _reduce_dtype(name: str | None) -> torch.dtype:
-    """Gradients are reduced in fp32 unless asked otherwise (half the bytes in bf16, at some accuracy)."""
-    table = {None: torch.float32, "fp32": torch.float32, "32": torch.float32, "float32": torch.float32,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"reduce_dtype={name!r}: use 'fp32', 'bf16' or 'fp16'")
-    return table[name]

@@ -4,7 +4,6 @@ except Lightning's own object broadcast/barrier plumbing."""
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -47,13 +46,14 @@ from zero_strategy.core.activation_checkpointing import (
 )
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
+from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
+from zero_strategy.names import STRATEGY_NAMES
 from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.plugins.precision import ZeroPrecision
 from zero_strategy.plugins.precision_selection import to_zero_precision
 from zero_strategy.plugins.preemption import install_preemption_saver
 from zero_strategy.plugins.profiler import CommunicationProfiler
-from zero_strategy.tools.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 
 
 class _ForwardEntry(nn.Module):
@@ -451,27 +451,17 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        offload_dir = str(Path(tempfile.gettempdir()) / "zero_strategy_offload")
-        variants: list[tuple[str, int, dict[str, Any]]] = [(f"zero{stage}", stage, {}) for stage in (1, 2, 3)]
-        variants += [
-            ("zero2_offload", 2, {"offload_optimizer": "cpu"}),
-            ("zero3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
-            # the registered nvme variant writes under the temp dir; pass nvme_path= for a fast local disk
-            ("zero3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": offload_dir}),
-        ]
-        for base, stage, extra in variants:
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
-                name = f"{base}{suffix}"
-                if name in strategy_registry:
-                    continue
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"ZeRO stage {stage} {extra or ''} ({start_method} launcher)",
-                    stage=stage,
-                    start_method=start_method,
-                    **extra,
-                )
+        for entry in STRATEGY_NAMES:
+            if entry.name in strategy_registry:
+                continue
+            strategy_registry.register(
+                entry.name,
+                cls,
+                description=entry.description,
+                stage=int(entry.stage),
+                start_method=entry.start_method,
+                **entry.options,
+            )
 
 
 def _zero_grad_of(optimizer: Optimizer, set_to_none: bool = True) -> None:

@@ -1,10 +1,10 @@
-"""The benchmark's methods: how DDP, ZeroRedundancyOptimizer, FSDP2, ZeRO (and DeepSpeed, where installed) are
-set up on one rank, and the counter that records what each of them sends."""
+"""What every benchmark method reports through: the counter that records the bytes each collective moves, and
+the :class:`MethodRun` a builder returns. Apart from the builders (:mod:`benchmarks.bench_methods`) so that the
+DeepSpeed builder (:mod:`benchmarks.bench_deepspeed`) and the others import it without importing each other."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,9 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.tools.bench_model import BenchGPT
 
 LEARNING_RATE = 1e-3
 
@@ -49,7 +47,7 @@ class CollectiveCounter:
     def install(self, namespace: Any = dist, table: dict[str, tuple[str, SizeOf]] | None = None) -> None:
         """Wrap the functions in this (forked, per-run) process only: ``table`` (default: the ones above) in
         ``namespace`` (default: ``torch.distributed``). A method whose library reaches collectives by other names
-        installs those too (DeepSpeed: :mod:`zero_strategy.tools.bench_deepspeed`)."""
+        installs those too (DeepSpeed: :mod:`benchmarks.bench_deepspeed`)."""
         for name, (kind, size_of) in (self._WRAPPED if table is None else table).items():
             original = getattr(namespace, name, None)
             if original is not None and (namespace, name) not in self._originals:
@@ -109,71 +107,3 @@ class MethodRun:
     # (parameters, gradients, optimizer state) bytes, for a method that keeps its model state in buffers that the
     # generic walk of parameters, `.grad` and `state_optimizer.state` cannot see (DeepSpeed's flat partitions).
     state_walk: Callable[[], tuple[int, int, int]] | None = None
-
-
-def _build_ddp(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Gradients as views of DDP's buckets: otherwise the buckets are a second full gradient (20Ψ, not 16Ψ) that
-    # no walk of `.grad` sees.
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(counter, counting_allreduce_hook)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
-    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
-
-
-def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
-
-    def step() -> None:
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
-
-    return MethodRun(model, model, optimizer, step, optimizer, engine)
-
-
-def _build_zero_redundancy(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    ddp = _build_ddp(model, counter).forward_module
-    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
-    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer.optim)
-
-
-def _build_fsdp2(reshard_after_forward: bool, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    assert isinstance(model, BenchGPT)
-    for block in model.blocks:  # the same units as ZeRO's: one per block, the rest in the root
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return MethodRun(model, model, optimizer, optimizer.step, optimizer)
-
-
-def _build_deepspeed(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    # Imported here, in the rank process: bench_deepspeed imports this module, and deepspeed itself is imported
-    # only by a deepspeed run.
-    from zero_strategy.tools.bench_deepspeed import build_deepspeed
-
-    return build_deepspeed(stage, model, counter)
-
-
-BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
-    "ddp": _build_ddp,
-    "zero1": functools.partial(_build_zero, 1),
-    "zero2": functools.partial(_build_zero, 2),
-    "zero3": functools.partial(_build_zero, 3),
-    "zero_redundancy": _build_zero_redundancy,
-    "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
-    "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
-}
-
-# DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default
-# method list there: each run is its own row, so a DeepSpeed failure shows as "n/a (...)" and the other rows stand.
-if importlib.util.find_spec("deepspeed") is not None:
-    BUILDERS.update({f"deepspeed_zero{stage}": functools.partial(_build_deepspeed, stage) for stage in (1, 2, 3)})

@@ -1,6 +1,6 @@
 """The benchmark's DeepSpeed rows (``deepspeed_zero1/2/3``): DeepSpeed ZeRO on the same CPU ranks as the others.
 
-Only registered where DeepSpeed is installed (:data:`zero_strategy.tools.bench_methods.BUILDERS`); this module
+Only registered where DeepSpeed is installed (:data:`benchmarks.bench_methods.BUILDERS`); this module
 imports it in the rank process, after ``DS_ACCELERATOR=cpu`` is set, so that it takes the CPU accelerator and
 the gloo process group that ``run_ranks`` already initialised.
 
@@ -59,8 +59,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, nn
 
-from zero_strategy.tools.bench_methods import LEARNING_RATE, CollectiveCounter, MethodRun, SizeOf
-from zero_strategy.tools.bench_model import PRESETS, BenchGPT, parameter_count
+from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun, SizeOf
+from benchmarks.bench_model import PRESETS, BenchGPT, parameter_count
 
 
 def _sum_nbytes(tensors: list[Tensor]) -> int:

@@ -1,4 +1,4 @@
-"""``zero-estimate``: will a model fit, and with which ZeRO stage / offload? Per-rank bytes, before any run.
+"""``zero-estimate``'s arithmetic: will a model fit, and with which ZeRO stage / offload? Per-rank bytes, before a run.
 
 The arithmetic mirrors what the core allocates (``core/flat_param.py``, ``core/hooks.py``, ``core/offload.py``),
 not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ranks, c = compute-dtype bytes:
@@ -22,7 +22,6 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -34,8 +33,9 @@ from torch.utils._pytree import tree_flatten
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precision
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
-from zero_strategy.plugins.precision import COMPUTE_DTYPES, normalize_precision
+from zero_strategy.core.stage import ZeroStage
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adamw": 8,  # exp_avg + exp_avg_sq
@@ -200,7 +200,7 @@ class _Setup:
     """One configuration, as the engine would run it."""
 
     world_size: int
-    stage: int
+    stage: ZeroStage
     reduce_dtype: torch.dtype | None  # None: in the compute dtype (no mixed-precision policy)
     offload_optimizer: OffloadDevice
     offload_param: OffloadDevice
@@ -222,7 +222,8 @@ class _Setup:
 
     def aliases(self, flat: FlatSpec) -> bool:
         """Stages 1/2: the master slice is a view of ``full`` when both have one dtype and nothing is offloaded."""
-        return self.stage < 3 and flat.compute_dtype == flat.master_dtype and not self.has_placement
+        same_dtype = flat.compute_dtype == flat.master_dtype
+        return not self.stage.reshards_parameters and same_dtype and not self.has_placement
 
     def master_at(self, nbytes: int) -> Placed:
         if self.offload_optimizer is OffloadDevice.nvme:
@@ -237,7 +238,7 @@ class _Setup:
 def _parameters(shape: ModelShape, s: _Setup) -> Placed:
     n = s.world_size
     device = sum(f.padded(n) * f.compute_dtype.itemsize for f in shape.flats)
-    if s.stage == 3:  # root + the unit computing (+ the next one, prefetched), never more than the whole model
+    if s.stage.reshards_parameters:  # root + the unit computing (+ the next, prefetched), never more than the model
         whole = shape.root + shape.largest * (2 if s.prefetch else 1)
         device = min(device, sum(f.padded(n) * f.compute_dtype.itemsize for f in whole))
     if s.device_source:
@@ -252,7 +253,7 @@ def _master(shape: ModelShape, s: _Setup) -> Placed:
 
 def _gradients(shape: ModelShape, s: _Setup) -> Placed:
     trained = [f for f in shape.flats if f.trainable]
-    if s.stage == 1:  # full gradients until the step: module .grad in fp32, else the fp32 stash (padded)
+    if not s.stage.reduces_every_microstep:  # full gradients until the step: .grad in fp32, else the padded fp32 stash
         return Placed(device=sum(4 * (f.numel if f.compute_dtype == torch.float32 else f.padded(s.world_size))
                                  for f in trained))  # fmt: skip
     return s.grad_slice_at(sum(f.shard(s.world_size) * f.master_dtype.itemsize for f in trained))
@@ -284,14 +285,14 @@ def _reduce_buffers(f: FlatSpec, s: _Setup) -> int:
     reduce-scatter output."""
     n = s.world_size
     r = (s.reduce_dtype or f.compute_dtype).itemsize
-    stash_reused = s.stage == 1 and f.compute_dtype != torch.float32 and r == 4
+    stash_reused = not s.stage.reduces_every_microstep and f.compute_dtype != torch.float32 and r == 4
     return (0 if stash_reused else f.padded(n) * r) + f.shard(n) * r
 
 
 def _communication(shape: ModelShape, s: _Setup) -> Placed:
     unit = max((shape.root, shape.largest), key=lambda flats: sum(f.numel for f in flats))
     nbytes = sum(_gather_staging(f, s) + (_reduce_buffers(f, s) if f.trainable else 0) for f in unit)
-    if s.stage >= 2:  # .grad of the unit being finished and of the root, whose last gradient lands last
+    if s.stage.reduces_every_microstep:  # .grad of the unit being finished and of the root (its gradient lands last)
         nbytes += sum(f.numel * f.compute_dtype.itemsize for f in shape.largest + shape.root if f.trainable)
     return Placed(device=nbytes)
 
@@ -301,8 +302,10 @@ def _notes(shape: ModelShape, s: _Setup, activations_known: bool) -> tuple[str, 
     prefetched = " + the prefetched one" if s.prefetch else ""
     candidates = (
         (any(s.aliases(f) for f in shape.flats), "fp32 stages 1/2: the master slice is a view of the parameters"),
-        (s.stage == 1, "stage 1 keeps full-size fp32 gradients until the step (paper: 2Ψ in mixed precision)"),
-        (s.stage == 3, f"stage 3: root unit + the unit computing{prefetched} are whole in forward/backward"),
+        (not s.stage.reduces_every_microstep,
+         "stage 1 keeps full-size fp32 gradients until the step (paper: 2Ψ in mixed precision)"),
+        (s.stage.reshards_parameters,
+         f"stage 3: root unit + the unit computing{prefetched} are whole in forward/backward"),
         (s.device_source, "offloaded masters on a GPU: a compute-dtype copy of the slice (cΨ/N) stays on the device"),
         (s.offload_optimizer is OffloadDevice.nvme, "nvme: gradient slices stay in host memory; one chunk of "
          "masters+state is resident while stepping"),
@@ -428,7 +431,7 @@ def _estimate(
     precision = normalize_precision(o.precision)
     mixed = COMPUTE_DTYPES[precision] != torch.float32
     setup = _Setup(
-        world_size=world_size, stage=stage, reduce_dtype=o.reduce_dtype if mixed else None,
+        world_size=world_size, stage=config.zero_stage, reduce_dtype=o.reduce_dtype if mixed else None,
         offload_optimizer=config.offload_optimizer, offload_param=config.offload_param,
         state_bytes=_optimizer_bytes(o.optimizer), prefetch=o.prefetch, nvme_chunk_numel=o.nvme_chunk_numel,
         accelerator=o.compute_device != "cpu",
@@ -485,15 +488,3 @@ def smallest_fitting(
     lower stage before higher; ``host_memory_bytes``: host budget per rank. None when nothing fits."""
     estimates = compare(model_or_param_count, world_size=world_size, **options)
     return first_fitting(estimates, device_memory_bytes, host_memory_bytes)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``zero-estimate``; the argparse front end, table and chart are in :mod:`.estimate_plot` (imported here: it
-    imports this module)."""
-    from zero_strategy.tools.estimate_plot import run_cli
-
-    return run_cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The ``zero-estimate`` front end: command-line parsing, the GiB table and the optional stacked-bar chart.
 
-Apart from :mod:`zero_strategy.tools.estimate` so the arithmetic stays small and importable on its own; matplotlib
+Apart from :mod:`zero_strategy.estimate.memory` so the arithmetic stays small and importable on its own; matplotlib
 is imported only when a chart is asked for (it is not a dependency of the package).
 """
 
@@ -10,13 +10,14 @@ import argparse
 import importlib
 import json
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from zero_strategy.tools.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, compare, first_fitting
+from zero_strategy.estimate.memory import OPTIMIZER_STATE_BYTES, MemoryEstimate, compare, first_fitting
 
 GiB = 2**30
 _SIZES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -82,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_cli(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``zero-estimate`` (and ``python -m zero_strategy.estimate``): print the table, optionally draw the chart."""
     args = _parser().parse_args(argv)
     if args.plot:
         require_matplotlib()  # before the work, so a missing package costs nothing
@@ -205,3 +207,7 @@ def plot_estimates(estimates: Sequence[MemoryEstimate], path: str, device_memory
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ from typing import Any
 
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError
 from zero_strategy.core.loss_scaler import LossScalerConfig
+from zero_strategy.core.stage import ZeroStage
 
 AUTO = "auto"  # what Hugging Face writes for "fill this in from the training arguments"
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
@@ -355,19 +356,19 @@ def _parse_zero(cfg: dict[str, Any], c: _Collector) -> None:
     if isinstance(raw, bool):  # DeepSpeed's deprecated form: true = stage 1
         raw = {"stage": int(raw)}
     block = c.section({"zero_optimization": raw}, "zero_optimization")
-    stage = c.take(block, "stage", _Z + "stage", "the stage given to ZeroStrategy (strategy name or stage=)")
-    if stage is not None:
-        stage = c.number(_Z + "stage", stage, integer=True)
-        if stage not in (1, 2, 3):
-            raise c.error(_Z + "stage", f"{stage}: use 1, 2 or 3" + (
-                " (0 turns ZeRO off: that is Trainer(strategy='ddp'))" if stage == 0 else ""))
-        c.zero_options["stage"] = stage
+    raw = c.take(block, "stage", _Z + "stage", "the stage given to ZeroStrategy (strategy name or stage=)")
+    number = None if raw is None else c.number(_Z + "stage", raw, integer=True)
+    if number is not None and number not in tuple(ZeroStage):
+        raise c.error(_Z + "stage", f"{number}: use 1, 2 or 3" + (
+            " (0 turns ZeRO off: that is Trainer(strategy='ddp'))" if number == 0 else ""))
+    stage = None if number is None else ZeroStage(number)
+    c.zero_options.update({} if number is None else {"stage": number})
     _parse_offload(block, c, stage)
     _parse_buckets(block, c, stage)
     c.leftovers("zero_optimization", block)
 
 
-def _parse_offload(block: dict[str, Any], c: _Collector, stage: int | None) -> None:
+def _parse_offload(block: dict[str, Any], c: _Collector, stage: ZeroStage | None) -> None:
     """offload_optimizer / offload_param → devices, nvme_path, pin_memory."""
     pins: list[bool] = []
     paths: list[tuple[str, str]] = []
@@ -379,7 +380,7 @@ def _parse_offload(block: dict[str, Any], c: _Collector, stage: int | None) -> N
             raise c.error(f"{prefix}.device", f"{device!r}: use 'none', 'cpu' or 'nvme'.")
         path = sub.pop("nvme_path", None)
         pin = c.take(sub, "pin_memory", f"{prefix}.pin_memory", "DeepSpeed's default: not pinned")
-        if device != "none" and kind == "offload_param" and stage in (1, 2):
+        if device != "none" and kind == "offload_param" and stage is not None and not stage.reshards_parameters:
             c.unmapped[f"{prefix}.device"] = "parameters are offloaded only at stage 3 (DeepSpeed ignores it too)"
         elif device != "none":
             c.zero_options[kind] = device
@@ -395,7 +396,7 @@ def _parse_offload(block: dict[str, Any], c: _Collector, stage: int | None) -> N
     c.zero_options.update({"nvme_path": paths[0][1]} if paths else {})
 
 
-def _parse_buckets(block: dict[str, Any], c: _Collector, stage: int | None) -> None:
+def _parse_buckets(block: dict[str, Any], c: _Collector, stage: ZeroStage | None) -> None:
     """Prefetch, bucket and sub-group sizes onto the nearest ZeroConfig knob (see the note at the top)."""
     prefetch = c.take(block, "stage3_prefetch_bucket_size", _Z + "stage3_prefetch_bucket_size",
                       f"ZeroConfig default prefetch={_default(ZeroConfig, 'prefetch')}")
@@ -407,9 +408,9 @@ def _parse_buckets(block: dict[str, Any], c: _Collector, stage: int | None) -> N
         if value is None:
             continue
         numel, taken = c.number(_Z + key, value, integer=True), c.zero_options.get("min_unit_numel")
-        if stage not in (1, 2):
-            c.unmapped[_Z + key] = ("a stage-3 unit is also gathered whole: set min_unit_numel / unit_modules"
-                                    if stage == 3 else "maps to min_unit_numel at stages 1/2, and no stage is set")
+        if stage is None or stage.reshards_parameters:
+            c.unmapped[_Z + key] = ("a stage-3 unit is also gathered whole: set min_unit_numel / unit_modules" if stage
+                                    else "maps to min_unit_numel at stages 1/2, and no stage is set")
         elif numel < 1 or (taken is not None and taken != numel):
             c.unmapped[_Z + key] = "min_unit_numel is one positive size for reduce-scatter and all-gather alike"
         else:
@@ -441,8 +442,7 @@ def _parse_rest(cfg: dict[str, Any], c: _Collector) -> tuple[dict[str, Any], flo
     dtype = c.take(cfg, "communication_data_type", "communication_data_type", "ZeroPrecision default: fp32")
     if dtype is not None and dtype not in REDUCE_DTYPES:
         raise c.error("communication_data_type", f"{dtype!r}: use one of {REDUCE_DTYPES}.")
-    if dtype is not None:
-        c.precision_kwargs["reduce_dtype"] = dtype
+    c.precision_kwargs.update({} if dtype is None else {"reduce_dtype": dtype})
     c.leftovers("data_types", c.section(cfg, "data_types"))
     return checkpointing, clip
 

@@ -1,6 +1,6 @@
-"""``python -m zero_strategy.tools.benchmark``: step time, model-state memory, traffic and peak RSS of ZeRO vs DDP.
+"""``python -m benchmarks.benchmark``: step time, model-state memory, traffic and peak RSS of ZeRO vs DDP.
 
-One GPT-style model (:mod:`zero_strategy.tools.bench_model`) is trained on the same random tokens by every method
+One GPT-style model (:mod:`benchmarks.bench_model`) is trained on the same random tokens by every method
 on ``--world-size`` CPU ranks (gloo, one intra-op thread per rank). ZeRO runs at core level (``ZeroEngine``, no
 Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone.
 
@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.bench_counter import CollectiveCounter, MethodRun
+from benchmarks.bench_methods import BUILDERS
+from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
-from zero_strategy.tools.bench_methods import BUILDERS, CollectiveCounter, MethodRun
-from zero_strategy.tools.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 
 METHODS = list(BUILDERS)
 
@@ -326,7 +327,7 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
 
 def parse_args(argv: list[str]) -> BenchOptions:
     defaults = BenchOptions()
-    parser = argparse.ArgumentParser(prog="python -m zero_strategy.tools.benchmark", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.benchmark", description=__doc__.split("\n")[0])
     parser.add_argument("--params", choices=sorted(PRESETS), default=defaults.params, help="model size preset")
     parser.add_argument("--reps", type=int, default=defaults.reps, help="repetitions (methods interleaved)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per repetition and method")
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> str:
     """Run the benchmark, print the report (command, torch version, table, details) and return it."""
     argv = sys.argv[1:] if argv is None else list(argv)
     options = parse_args(argv)
-    command = shlex.join(["python", "-m", "zero_strategy.tools.benchmark", *argv])
+    command = shlex.join(["python", "-m", "benchmarks.benchmark", *argv])
     started = time.perf_counter()
     results = run_benchmark(options)
     report = format_report(options, results, command)

@@ -1,0 +1,78 @@
+"""The benchmark's methods: how DDP, ZeroRedundancyOptimizer, FSDP2, ZeRO (and DeepSpeed, where installed) are
+set up on one rank, and the counter that records what each of them sends."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun, counting_allreduce_hook
+from benchmarks.bench_deepspeed import build_deepspeed
+from benchmarks.bench_model import BenchGPT
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine import ZeroEngine
+
+
+def _build_ddp(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Gradients as views of DDP's buckets: otherwise the buckets are a second full gradient (20Ψ, not 16Ψ) that
+    # no walk of `.grad` sees.
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
+
+
+def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+
+    def step() -> None:
+        engine.prepare_step(optimizer)
+        optimizer.step()
+        engine.after_step(optimizer)
+
+    return MethodRun(model, model, optimizer, step, optimizer, engine)
+
+
+def _build_zero_redundancy(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = _build_ddp(model, counter).forward_module
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    return MethodRun(ddp, model, optimizer, optimizer.step, optimizer.optim)
+
+
+def _build_fsdp2(reshard_after_forward: bool, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    assert isinstance(model, BenchGPT)
+    for block in model.blocks:  # the same units as ZeRO's: one per block, the rest in the root
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    return MethodRun(model, model, optimizer, optimizer.step, optimizer)
+
+
+BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    "ddp": _build_ddp,
+    "zero1": functools.partial(_build_zero, 1),
+    "zero2": functools.partial(_build_zero, 2),
+    "zero3": functools.partial(_build_zero, 3),
+    "zero_redundancy": _build_zero_redundancy,
+    "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
+    "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
+}
+
+# DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default
+# method list there: each run is its own row, so a DeepSpeed failure shows as "n/a (...)" and the other rows stand.
+if importlib.util.find_spec("deepspeed") is not None:
+    BUILDERS.update({f"deepspeed_zero{stage}": functools.partial(build_deepspeed, stage) for stage in (1, 2, 3)})

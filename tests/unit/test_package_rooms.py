@@ -1,0 +1,221 @@
+"""The package's layout: each room imports only what it needs (the core, checkpoints and both command-line tools
+run without Lightning), no import cycles, nothing imports the package root, benchmarks do not ship, and
+``__version__`` comes from the installed distribution."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import zero_strategy
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.stage import ZeroStage
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "zero_strategy"
+# Importing any of these raises ImportError in the subprocesses below, as if Lightning were not installed.
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
+BLOCKER = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in LIGHTNING_PACKAGES)
+
+WITHOUT_LIGHTNING = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+    import torch
+    from torch import nn
+
+    try:
+        import lightning
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("the blocker did not work")
+
+    import zero_strategy
+    assert not hasattr(zero_strategy, "ZeroStrategy")  # the adapters are skipped, the rest is there
+    rooms = ["zero_strategy.core", "zero_strategy.checkpoint", "zero_strategy.estimate"]
+    for room in rooms:
+        package = importlib.import_module(room)
+        for info in pkgutil.walk_packages(package.__path__, room + "."):
+            if not info.name.endswith("__main__"):
+                importlib.import_module(info.name)
+    for module in ("zero_strategy.deepspeed_config", "zero_strategy.names", "zero_strategy.config"):
+        importlib.import_module(module)
+
+    # zero-to-fp32 on a real one-rank stage-3 checkpoint
+    from zero_strategy import ZeroConfig, ZeroEngine
+    from zero_strategy.checkpoint.__main__ import main as zero_to_fp32
+    from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
+    model(torch.randn(4, 5)).square().mean().backward()
+    engine.prepare_step(optimizer)
+    optimizer.step()
+    engine.after_step(optimizer)
+    out_dir = sys.argv[1]
+    save_sharded(engine, f"{out_dir}/ck", {"global_step": 1}, SaveInfo("32-true", {}, {"torch": torch.__version__}))
+    with engine.gathered_parameters():
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert zero_to_fp32([f"{out_dir}/ck", f"{out_dir}/model.pt", "--no-progress"]) == 0
+    got = torch.load(f"{out_dir}/model.pt", weights_only=True)
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got), "consolidated"
+
+    # zero-estimate's table
+    from zero_strategy.estimate.cli import main as zero_estimate
+    assert zero_estimate(["--params", "7e9", "--world-size", "8", "--device-memory", "80GB"]) == 0
+    assert not any(name.split(".")[0] in {blocked} for name, m in sys.modules.items() if m is not None)
+    print("ok")
+    """
+)
+
+
+def _without_lightning(command: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` with Lightning unimportable (a ``sitecustomize`` on PYTHONPATH blocks it at start-up)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+
+
+def _console_script(name: str, module: str) -> list[str]:
+    """The installed console script (what users type), else the same entry point through ``python -m``."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+@pytest.mark.timeout(120)
+def test_core_checkpoint_and_both_commands_work_without_lightning(tmp_path):
+    script = WITHOUT_LIGHTNING.replace("{blocked}", repr(set(LIGHTNING_PACKAGES)))
+    done = _without_lightning([sys.executable, "-c", script, str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Smallest that fits" in done.stdout and done.stdout.rstrip().endswith("ok")
+    for name, module, usage in (
+        ("zero-estimate", "zero_strategy.estimate", "--world-size"),
+        ("zero-to-fp32", "zero_strategy.checkpoint", "checkpoint output"),
+    ):
+        helped = _without_lightning([*_console_script(name, module), "--help"], tmp_path)
+        assert helped.returncode == 0, helped.stderr[-3000:]
+        assert usage in helped.stdout, helped.stdout
+
+
+# ---------------------------------------------------------------------------------------------- import graph
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Package modules ``path`` imports explicitly, at any depth (function-level imports too)."""
+    name = _module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module, f"{name}: the package uses absolute imports only"
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {module for module in found if module in modules and module != name}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    return {_module_name(p): _imports(p, modules) for p in paths}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_no_import_cycles_and_no_arrow_pointing_up():
+    graph = _import_graph()
+    assert _cycles(graph) == []
+    importers_of_root = sorted(module for module, targets in graph.items() if "zero_strategy" in targets)
+    assert importers_of_root == [], "the package root imports the rooms, never the other way round"
+    # the core is pure torch plus its config; the user-facing tools do not reach into the Lightning adapter
+    for module, targets in graph.items():
+        if module.startswith("zero_strategy.core"):
+            outside = {t for t in targets if not t.startswith("zero_strategy.core")} - {"zero_strategy.config"}
+            assert outside == set(), f"{module} imports {outside}"
+        if not module.startswith("zero_strategy.plugins") and module != "zero_strategy":
+            assert not {t for t in targets if t.startswith("zero_strategy.plugins")}, module
+
+
+@pytest.mark.timeout(30)
+def test_benchmarks_do_not_ship_with_the_package():
+    from setuptools import find_packages
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    include = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include\s*=\s*(\[[^\]]*\])", pyproject)
+    assert include is not None
+    shipped = find_packages(str(REPO), include=ast.literal_eval(include.group(1)))
+    assert "zero_strategy" in shipped and "zero_strategy.estimate" in shipped
+    assert not [p for p in shipped if not p.startswith("zero_strategy")], shipped
+    shipped_files = [p for package in shipped for p in (REPO / package.replace(".", "/")).glob("*.py")]
+    assert not [p.name for p in shipped_files if "bench" in p.name], "benchmark modules live in benchmarks/"
+    assert (REPO / "benchmarks" / "benchmark.py").exists()
+
+
+# ------------------------------------------------------------------------------------------- small contracts
+@pytest.mark.timeout(30)
+def test_version_comes_from_the_distribution(monkeypatch):
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from zero_strategy import version
+
+    assert zero_strategy.__version__ == installed("zero_strategy")
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(version, "version", not_installed)
+    assert version.library_version() == version.UNKNOWN == "0+unknown"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_config_reads_the_stage_as_zero_stage(stage):
+    zero_stage = ZeroConfig(stage=stage).zero_stage
+    assert zero_stage is ZeroStage(stage)
+    assert (zero_stage.reduces_every_microstep, zero_stage.reshards_parameters) == (stage >= 2, stage == 3)
