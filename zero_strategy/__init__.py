@@ -34,10 +34,10 @@ try:  # the Lightning adapters; the core and the checkpoint tools work without L
 except ImportError:  # pragma: no cover - Lightning is a dependency; this keeps zero-to-fp32 usable without it
     pass
 else:
-    from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
-    from zero_strategy.plugins.precision import ZeroPrecision
-    from zero_strategy.plugins.precision_selection import install_precision_selection
-    from zero_strategy.plugins.strategy import ZeroStrategy
+    from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
+    from zero_strategy.lightning.precision import ZeroPrecision
+    from zero_strategy.lightning.precision_selection import install_precision_selection
+    from zero_strategy.lightning.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     install_precision_selection(ZeroStrategy)

@@ -31,7 +31,7 @@ from zero_strategy.estimate import (
     measure_activation_bytes,
     smallest_fitting,
 )
-from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.testing import run_ranks
 
 MODEL = {"vocab": 63, "width": 47, "n_blocks": 4}  # root unit (embedding, final norm) + 4 blocks, odd: padded

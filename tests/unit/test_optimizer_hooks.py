@@ -17,7 +17,7 @@ from torch import nn
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.plugins.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
+from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 
 @pytest.mark.timeout(20)

@@ -177,8 +177,8 @@ def test_no_import_cycles_and_no_arrow_pointing_up():
         if module.startswith("zero_strategy.core"):
             outside = {t for t in targets if not t.startswith("zero_strategy.core")} - {"zero_strategy.config"}
             assert outside == set(), f"{module} imports {outside}"
-        if not module.startswith("zero_strategy.plugins") and module != "zero_strategy":
-            assert not {t for t in targets if t.startswith("zero_strategy.plugins")}, module
+        if not module.startswith("zero_strategy.lightning") and module != "zero_strategy":
+            assert not {t for t in targets if t.startswith("zero_strategy.lightning")}, module
 
 
 @pytest.mark.timeout(30)

@@ -47,13 +47,13 @@ from zero_strategy.core.activation_checkpointing import (
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
+from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
+from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
+from zero_strategy.lightning.precision import ZeroPrecision
+from zero_strategy.lightning.precision_selection import to_zero_precision
+from zero_strategy.lightning.preemption import install_preemption_saver
+from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.names import STRATEGY_NAMES
-from zero_strategy.plugins.checkpoint_io import ShardedCheckpointIO
-from zero_strategy.plugins.deepspeed_bridge import apply_clipping, check_batch
-from zero_strategy.plugins.precision import ZeroPrecision
-from zero_strategy.plugins.precision_selection import to_zero_precision
-from zero_strategy.plugins.preemption import install_preemption_saver
-from zero_strategy.plugins.profiler import CommunicationProfiler
 
 
 class _ForwardEntry(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 
-from zero_strategy.plugins.precision import ZeroPrecision
+from zero_strategy.lightning.precision import ZeroPrecision
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:

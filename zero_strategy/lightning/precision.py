@@ -28,7 +28,7 @@ from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimum
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
 from zero_strategy.core.precision_names import reduce_dtype_named as _reduce_dtype
-from zero_strategy.plugins.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
+from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 log = logging.getLogger(__name__)
 
