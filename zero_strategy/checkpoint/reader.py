@@ -97,6 +97,8 @@ class ShardedCheckpoint:
             else:  # that rank never created this optimizer state (its piece was never stepped): zeros
                 pieces.append(torch.zeros(take, dtype=self._dtype_of(tensor)))
             start, count = start + take, count - take
+        if not pieces:  # an empty range (a rank owning none of a parameter asks for zero elements)
+            return torch.empty(0, dtype=self._dtype_of(tensor))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _dtype_of(self, tensor: str) -> torch.dtype:
