@@ -30,6 +30,8 @@ from zero_strategy.checkpoint.pretrained_keys import (
     renamed_keys,
 )
 from zero_strategy.checkpoint.pretrained_stores import (
+    SAFETENSORS_SUFFIX,
+    TORCH_SUFFIXES,
     IndexStore,
     ShardedCheckpointStore,
     TensorStore,
@@ -149,16 +151,12 @@ def _open_store(path: Path) -> TensorStore:
 
 
 def _open_file(path: Path) -> TensorStore:
-    if path.name.lower().endswith(INDEX_SUFFIX):
+    name = path.name.lower()
+    if name.endswith(INDEX_SUFFIX):
         return IndexStore(path)
-    try:
-        return open_tensor_file(path)
-    except CheckpointError as error:
-        if "cannot tell" in str(error):
-            raise CheckpointError(
-                f"{path} is not a pretrained weights file this reads (accepted: {ACCEPTED})"
-            ) from None
-        raise
+    if not name.endswith((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES)):
+        raise CheckpointError(f"{path} is not a pretrained weights file this reads (accepted: {ACCEPTED})")
+    return open_tensor_file(path)
 
 
 # ------------------------------------------------------------------------------------------------ modules
