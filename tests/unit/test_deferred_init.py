@@ -99,6 +99,18 @@ class CopiesRealTensor(nn.Module):
         self.proj = nn.Linear(table.shape[1], 3)
 
 
+class OwnGenerator(nn.Module):
+    """Draws from its own seeded torch.Generator, then from the default one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.empty(4, 6))
+        nn.init.normal_(self.w, generator=generator)
+        self.v = nn.Linear(6, 2)
+        nn.init.uniform_(self.v.bias, generator=generator)
+
+
 REAL_TABLE = torch.arange(12.0).reshape(4, 3) / 7
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
@@ -110,6 +122,7 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "positional_batchnorm_padding": PositionalWithNorm,
     "special_inits": SpecialInits,
     "copies_real_tensor": lambda: CopiesRealTensor(REAL_TABLE),
+    "own_generator": OwnGenerator,
 }
 
 
@@ -213,3 +226,12 @@ def test_unreplayable_construction_is_a_clear_error(build: Callable[[], nn.Modul
         build()
     for pattern in patterns:
         assert pattern in str(raised.value), (pattern, str(raised.value))
+
+
+def test_real_tensor_changed_after_the_copy_is_a_clear_error() -> None:
+    table = REAL_TABLE.clone()
+    with record_construction() as recording:
+        model = CopiesRealTensor(table)
+    table.mul_(2)  # replay would read the new values
+    with pytest.raises(DeferredInitError, match="modified in place after the copy"):
+        materialize_module(model, recording)
