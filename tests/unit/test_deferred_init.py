@@ -111,6 +111,20 @@ class OwnGenerator(nn.Module):
         nn.init.uniform_(self.v.bias, generator=generator)
 
 
+class ReassignsAndCasts(nn.Module):
+    """`weight.data = randn(...)`, a bf16 cast, a conv, a tril mask buffer, padding zeros then re-init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.a.weight.data = torch.randn(7, 5) * 3
+        self.b = nn.Linear(5, 5).to(torch.bfloat16)
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)).view(1, 1, 4, 4))
+        self.e = nn.Embedding(6, 4, padding_idx=0)
+        self.e.weight.data.normal_(0, 0.02)
+
+
 REAL_TABLE = torch.arange(12.0).reshape(4, 3) / 7
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
@@ -123,6 +137,7 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "special_inits": SpecialInits,
     "copies_real_tensor": lambda: CopiesRealTensor(REAL_TABLE),
     "own_generator": OwnGenerator,
+    "reassigns_and_casts": ReassignsAndCasts,
 }
 
 
@@ -235,3 +250,18 @@ def test_real_tensor_changed_after_the_copy_is_a_clear_error() -> None:
     table.mul_(2)  # replay would read the new values
     with pytest.raises(DeferredInitError, match="modified in place after the copy"):
         materialize_module(model, recording)
+
+
+@pytest.mark.parametrize("build", [OwnGenerator, GPT])
+def test_a_second_replay_gives_the_same_values(build: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(SEED)
+    with record_construction() as recording:
+        model = build()
+    plan = ReplayPlan(recording, model)
+    first: dict[int, Tensor] = {}
+    second: dict[int, Tensor] = {}
+    plan.replay(lambda final, value: first.__setitem__(final.key, value))
+    torch.manual_seed(SEED + 1)  # whatever ran in between, generators restart from the recorded states
+    plan.replay(lambda final, value: second.__setitem__(final.key, value))
+    assert first.keys() == second.keys() == {t.key for t in plan.tensors}
+    assert all(torch.equal(first[key], second[key]) for key in first)

@@ -196,7 +196,7 @@ class _RecordOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat_in, _ = tree_flatten((args, kwargs))
-        touches_meta = any(isinstance(v, Tensor) and v.is_meta for v in flat_in)
+        touches_meta = any(isinstance(v, Tensor) and v.is_meta for v in flat_in) or kwargs.get("device") == _META
         if touches_meta and func.overloadpacket in _DATA_DEPENDENT:
             raise DeferredInitError(
                 f"{func} reads a tensor's value ({module_code_in_frames(sys._getframe(1))}), but construction on "
