@@ -1,0 +1,113 @@
+"""Liveness of a recording: which ops run on real storage, which on scratch, which are skipped, when to free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from zero_strategy.core.deferred.ops import DeferredInitError, RecordedOp, TensorRef
+from zero_strategy.core.deferred.record import Recording
+
+
+@dataclass(frozen=True, slots=True)
+class FinalTensor:
+    """One parameter or buffer value of the module; tied names share one key (and one value)."""
+
+    key: int
+    names: tuple[str, ...]  # qualified names, parameters first; tied ones together
+    ref: TensorRef
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.ref.size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ref.dtype
+
+
+@dataclass(slots=True)
+class Step:
+    """One replay step: an op (or `None` for the emission of `emits`), with what the liveness pass decided."""
+
+    op: RecordedOp | None
+    emits: tuple[FinalTensor, ...] = ()
+    run: bool = True  # False: the op neither draws random numbers nor writes anything read later
+    scratch: frozenset[int] = frozenset()  # storages this op writes but whose result nobody reads
+    release: frozenset[int] = field(default_factory=frozenset)  # real storages not needed after this step
+
+
+def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor, ...]:
+    """The module's meta parameters and buffers, grouped so that tied tensors share one key."""
+    groups: dict[TensorRef, list[str]] = {}
+    named: Iterator[tuple[str, Tensor]] = (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    )  # type: ignore[assignment]
+    for name, tensor in named:
+        if not tensor.is_meta:
+            continue  # made on a real device by the build itself: it already holds its value
+        if recording.storage_id(tensor) is None:
+            raise DeferredInitError(
+                f"{name} is a meta tensor that record_construction never saw being made: create the module "
+                f"inside the recording (not before it, and not under another meta-device context)."
+            )
+        groups.setdefault(recording.ref(tensor), []).append(name)
+    return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
+
+
+def plan_steps(recording: Recording, finals: tuple[FinalTensor, ...]) -> list[Step]:
+    """Orders the ops and emissions, then runs the backward liveness pass over them.
+
+    A final value is emitted right after the last op that writes its storage. See [Note: replay liveness].
+    """
+    last_write: dict[int, int] = {}
+    for index, op in enumerate(recording.ops):
+        for sid in op.writes | op.created_storages:
+            last_write[sid] = index
+    emits_after: dict[int, list[FinalTensor]] = {}
+    for final in finals:
+        emits_after.setdefault(last_write.get(final.ref.storage, -1), []).append(final)
+    steps = [Step(None, tuple(emits_after.get(-1, ())))]
+    for index, op in enumerate(recording.ops):
+        steps.append(Step(op))
+        if index in emits_after:
+            steps.append(Step(None, tuple(emits_after[index])))
+    _mark_liveness(steps)
+    return steps
+
+
+# [Note: replay liveness]
+# Walking backwards, `live` holds the storages whose current value a later step reads. An op runs if it draws
+# random numbers (the generator must advance exactly as in eager) or writes a live storage. Its dead writes go
+# to scratch storage allocated for that op only: a random op's draw count depends on the op, shape and dtype,
+# never on the destination's old values. An op that covers a storage without reading it (uniform_, fill_,
+# copy_, out=, a creation) ends that value's life going backwards, so a parameter re-initialized later holds
+# real memory only from its last overwrite to its emission: peak memory is a few tensors, not the model.
+def _mark_liveness(steps: list[Step]) -> None:
+    live: set[int] = set()
+    for step in reversed(steps):
+        if step.op is None:
+            sids = {final.ref.storage for final in step.emits}
+            step.release = frozenset(sids - live)
+            live |= sids
+            continue
+        op = step.op
+        written = op.writes | op.created_storages
+        live_writes = written & live
+        if not (op.random or live_writes):
+            step.run = False
+            continue
+        reads = op.reads - (written - live_writes)  # a dead partial write's old value is not needed either
+        step.scratch = frozenset(written - live_writes)
+        step.release = frozenset((live_writes | reads) - live)
+        live -= op.overwrites | op.created_storages
+        live |= reads
+    if live:
+        raise DeferredInitError(
+            f"the build reads {len(live)} meta tensor(s) made outside record_construction, whose values are "
+            f"unknown: create every tensor the model uses inside the recording."
+        )

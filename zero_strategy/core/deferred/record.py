@@ -1,0 +1,294 @@
+"""Recording: construction runs on the meta device while every op that makes or changes a tensor is written down."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zero_strategy.core.deferred.ops import (
+    DeferredInitError,
+    RealRef,
+    RecordedOp,
+    TensorRef,
+    is_random,
+    overwrites_destination,
+)
+from zero_strategy.core.deferred.where import module_code_in_frames, rng_remedy
+
+aten = torch.ops.aten
+_META = torch.device("meta")
+_DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray)
+_DATA_DEPENDENT = frozenset({aten._local_scalar_dense, aten.equal, aten.is_nonzero})
+
+# [Note: nn.init functions that skip meta tensors]
+# In torch 2.13, `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once when given a meta
+# tensor (they test `tensor.is_meta`), so op-level recording sees nothing: the values, and the random numbers
+# they consume, would be lost silently. `trunc_normal_` is also rejection sampling now: how many numbers it
+# draws depends on the numbers drawn, which no meta recording can know. These functions are therefore recorded
+# as whole calls (found through a profile hook, so `from torch.nn.init import trunc_normal_` is caught too)
+# and replayed by calling them again on the real tensor. They are found by their code, not by name.
+_BLACK_BOX_CODES: dict[types.CodeType, Callable[..., Any]] = {
+    fn.__code__: fn
+    for fn in vars(torch.nn.init).values()
+    if isinstance(fn, types.FunctionType) and "is_meta" in fn.__code__.co_names
+}
+
+
+def generator_state(device: torch.device) -> Tensor:
+    """The default generator's state for `device`'s type (the one eager construction there would use)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    raise DeferredInitError(f"deferred initialization replays on 'cpu' or 'cuda', not on {device}")
+
+
+class Recording:
+    """The ops of one construction, in order, with the generator state they start from."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ops: list[RecordedOp] = []
+        self.storage_nbytes: dict[int, int] = {}  # recorded storage id -> bytes
+        self.entry_state = generator_state(device)
+        self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}  # explicit generators: state at first use
+        self._ids: dict[int, int] = {}  # StorageImpl address -> storage id
+        self._alive: list[torch.UntypedStorage] = []  # keeps meta storages alive so addresses are never reused
+        self._black_box_frame: types.FrameType | None = None
+
+    def storage_id(self, tensor: Tensor) -> int | None:
+        """The recording's id of a meta tensor's storage, or None if the recording never saw it."""
+        return self._ids.get(tensor.untyped_storage()._cdata)
+
+    def ref(self, tensor: Tensor) -> TensorRef:
+        storage = tensor.untyped_storage()
+        sid = self._ids.get(storage._cdata)
+        if sid is None:  # made before recording began (or by code the recording does not see)
+            sid = len(self.storage_nbytes)
+            self._ids[storage._cdata] = sid
+            self._alive.append(storage)
+            self.storage_nbytes[sid] = storage.nbytes()
+        size, stride = tuple(tensor.shape), tuple(tensor.stride())
+        return TensorRef(sid, tensor.dtype, size, stride, int(tensor.storage_offset()))
+
+    def _new_storage(self, tensor: Tensor) -> TensorRef | None:  # None: an existing storage (a view)
+        if tensor.untyped_storage()._cdata in self._ids:
+            return None
+        return self.ref(tensor)
+
+    def check_generators(self, where: str) -> None:
+        """Meta ops draw nothing, so the generator must still be where recording began."""
+        if not torch.equal(generator_state(self.device), self.entry_state):
+            raise DeferredInitError(
+                f"the {self.device.type} random generator's state changed during construction on the meta "
+                f"device ({where}): torch.manual_seed / set_rng_state, or a random op on a real tensor, ran "
+                f"inside the build. Replay could not reproduce the values an eager build gets. "
+                f"{rng_remedy()}"
+            )
+        for generator, state in self.generators.values():
+            if not torch.equal(generator.get_state(), state):
+                raise DeferredInitError(
+                    f"an explicit torch.Generator was used on real tensors ({where}). {rng_remedy()}"
+                )
+
+    def note_generators(self, values: list[Any]) -> None:
+        for value in values:
+            if isinstance(value, torch.Generator) and id(value) not in self.generators:
+                self.generators[id(value)] = (value, value.get_state())
+
+    def record(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Write down one aten op whose inputs or outputs include meta tensors."""
+        written, reads = self._effects(func, args, kwargs)
+        flat_out, _ = tree_flatten(out)
+        creates = tuple(
+            (index, ref)
+            for index, value in enumerate(flat_out)
+            if isinstance(value, Tensor) and value.is_meta and (ref := self._new_storage(value)) is not None
+        )
+        self._append(func, args, kwargs, written, reads, creates, is_random(func))  # type: ignore[arg-type]
+
+    def _effects(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[int, bool], frozenset[int]]:
+        """Storages an op writes (-> whether fully overwritten) and storages whose values it reads."""
+        schema_args = func._schema.arguments
+        bound = dict(zip((a.name for a in schema_args), args, strict=False)) | kwargs
+        writes_arg = {a.name for a in schema_args if a.alias_info is not None and a.alias_info.is_write}
+        written: dict[int, bool] = {}
+        for name in writes_arg:
+            value = bound.get(name)
+            if isinstance(value, Tensor) and value.is_meta:
+                ref = self.ref(value)
+                full = overwrites_destination(func, name) and ref.covers(self.storage_nbytes[ref.storage])
+                written[ref.storage] = written.get(ref.storage, True) and full
+        reads = set()
+        for name, value in bound.items():
+            if isinstance(value, Tensor) and value.is_meta:
+                sid = self.ref(value).storage
+                if name not in writes_arg or not written[sid]:  # a partial write keeps (reads) the rest
+                    reads.add(sid)
+        return written, frozenset(reads)
+
+    def record_black_box(self, fn: Callable[..., Any], bound: dict[str, Any], where: str) -> None:
+        """Write down a whole `torch.nn.init` call (see [Note: nn.init functions that skip meta tensors])."""
+        tensors = [value for value in bound.values() if isinstance(value, Tensor) and value.is_meta]
+        written = {}
+        for tensor in tensors[:1]:  # these functions fill their first tensor argument
+            ref = self.ref(tensor)
+            written[ref.storage] = ref.covers(self.storage_nbytes[ref.storage])
+        reads = frozenset(self.ref(t).storage for t in tensors[1:]) | {s for s, full in written.items() if not full}
+        self._append(fn, (), bound, written, reads, (), True, where)
+
+    def _append(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        written: dict[int, bool],
+        reads: frozenset[int],
+        creates: tuple[tuple[int, TensorRef], ...],
+        random: bool,
+        where: str | None = None,
+    ) -> None:
+        where = where or module_code_in_frames(sys._getframe(2))
+        if random:
+            self.check_generators(where)
+        self.note_generators(tree_flatten((args, kwargs))[0])
+        self.ops.append(
+            RecordedOp(
+                func=func,
+                args=tree_map(self._describe, args),
+                kwargs=tree_map(self._describe, kwargs),
+                writes=frozenset(written),
+                overwrites=frozenset(s for s, full in written.items() if full),
+                reads=reads,
+                creates=creates,
+                random=random,
+                where=where,
+            )
+        )
+
+    def _describe(self, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if value.is_meta:
+            return self.ref(value)
+        return RealRef(value, value._version)
+
+
+class _RecordOps(TorchDispatchMode):
+    """Sees every aten op while recording; records those that touch meta tensors."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        touches_meta = any(isinstance(v, Tensor) and v.is_meta for v in flat_in) or kwargs.get("device") == _META
+        if touches_meta and func.overloadpacket in _DATA_DEPENDENT:
+            raise DeferredInitError(
+                f"{func} reads a tensor's value ({module_code_in_frames(sys._getframe(1))}), but construction on "
+                f"the meta device has no values: initialization must not read tensor values (.item(), .tolist(), "
+                f"bool(tensor), numpy). Build this model eagerly, or move that code to reset_parameters() or a "
+                f"hook that runs after setup."
+            )
+        if not touches_meta and is_random(func) and self.recording._black_box_frame is None:
+            raise DeferredInitError(
+                f"{func} drew random numbers for a real (non-meta) tensor during construction on the meta device "
+                f"({module_code_in_frames(sys._getframe(1))}); replay could not reproduce them. {rng_remedy()}"
+            )
+        out = func(*args, **kwargs)
+        if self.recording._black_box_frame is not None:  # part of a call recorded as a whole
+            return out
+        if touches_meta or any(isinstance(v, Tensor) and v.is_meta for v in tree_flatten(out)[0]):
+            self.recording.record(func, args, kwargs, out)
+        return out
+
+
+class _DefaultToMeta(TorchFunctionMode):
+    """Like `torch.device("meta")`, except that tensors made from data keep their values (a recorded copy)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is Tensor.new_tensor and args[0].is_meta and kwargs.get("device") is None:
+            kwargs.setdefault("dtype", args[0].dtype)
+            return torch.tensor(args[1], **kwargs, device="cpu").to(_META)
+        if func in _device_constructors() and kwargs.get("device") is None:
+            holds_meta = any(isinstance(v, Tensor) and v.is_meta for v in tree_flatten((args, kwargs))[0])
+            if func in _DATA_CONSTRUCTORS and not holds_meta:
+                # torch.tensor(data, device="meta") would drop the data without any op to record.
+                return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
+            kwargs["device"] = _META
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _black_box_hook(recording: Recording) -> Iterator[None]:
+    """A profile hook that records calls of the functions in `_BLACK_BOX_CODES` made on meta tensors."""
+    previous = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: str, arg: Any) -> None:
+        if recording._black_box_frame is None and event == "call" and frame.f_code in _BLACK_BOX_CODES:
+            code = frame.f_code
+            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            bound = {name: frame.f_locals[name] for name in names}
+            if any(isinstance(v, Tensor) and v.is_meta for v in bound.values()):
+                where = module_code_in_frames(frame.f_back)
+                recording.record_black_box(_BLACK_BOX_CODES[code], bound, where)
+                recording._black_box_frame = frame
+        elif event == "return" and frame is recording._black_box_frame:
+            recording._black_box_frame = None
+        if previous is not None:
+            previous(frame, event, arg)  # type: ignore[arg-type]
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+@contextmanager
+def record_construction(device: torch.device | str = "cpu") -> Iterator[Recording]:
+    """Build under this context: tensors land on the meta device and the returned recording can replay them.
+
+    `device` is where the values will be replayed; its default generator is the one the build draws from,
+    exactly as an eager build on that device would.
+    """
+    recording = Recording(torch.device(device))
+    try:
+        with _black_box_hook(recording), _DefaultToMeta(), _RecordOps(recording):
+            yield recording
+    except DeferredInitError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        if "meta" not in str(error):
+            raise
+        raise DeferredInitError(
+            f"construction on the meta device failed ({module_code_in_frames(_innermost_frame(error))}): "
+            f"{error}. Initialization must not read tensor values (.item(), .tolist(), numpy, copying to the "
+            f"host). Build this model eagerly, or move that code to reset_parameters() or a hook that runs "
+            f"after setup."
+        ) from error
+    recording.check_generators("detected when the build finished")
+
+
+def _innermost_frame(error: BaseException) -> types.FrameType | None:
+    traceback = error.__traceback__
+    frame = None
+    while traceback is not None:
+        frame = traceback.tb_frame
+        traceback = traceback.tb_next
+    return frame

@@ -1,0 +1,174 @@
+"""Replay: run a recording's live ops on real storage, hand each final value over, free it, count the bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zero_strategy.core.deferred.ops import DeferredInitError, RealRef, RecordedOp, TensorRef
+from zero_strategy.core.deferred.plan import FinalTensor, Step, final_tensors, plan_steps
+from zero_strategy.core.deferred.record import Recording
+
+OnFinal = Callable[[FinalTensor, Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStats:
+    """What a replay did. `peak_bytes` counts the real storages the replay itself held at once."""
+
+    peak_bytes: int
+    ops_run: int
+    ops_on_scratch: int
+    ops_skipped: int
+
+
+class ReplayPlan:
+    """A recording planned for one module: its final tensors (keys) and the liveness of every op."""
+
+    def __init__(self, recording: Recording, module: nn.Module) -> None:
+        self.recording = recording
+        self.tensors = final_tensors(module, recording)
+        self._steps = plan_steps(recording, self.tensors)
+
+    def key_of(self, name: str) -> int:
+        """The key of a parameter's or buffer's qualified name (tied names share a key)."""
+        for final in self.tensors:
+            if name in final.names:
+                return final.key
+        raise KeyError(f"{name} is not a meta parameter or buffer of the planned module")
+
+    def replay(self, on_final: OnFinal) -> ReplayStats:
+        """Runs the construction again on real tensors; `on_final(tensor, value)` gets each value once.
+
+        The generator starts from the recorded state and ends where an eager build leaves it. `value` is never
+        written again; the callback may keep it or copy what it needs (a slice), after which replay drops it.
+        """
+        return _Replayer(self.recording).run(self._steps, on_final)
+
+
+class _Replayer:
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self.device = recording.device
+        self.held: dict[int, torch.UntypedStorage] = {}  # storage id -> real storage, while live
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def run(self, steps: list[Step], on_final: OnFinal) -> ReplayStats:
+        _restore_generators(self.recording)
+        run = scratch = 0
+        with torch.no_grad():
+            for step in steps:
+                if step.op is None:
+                    for final in step.emits:
+                        on_final(final, self._view(self.held, final.ref))
+                elif step.run:
+                    self._run_op(step.op, step.scratch)
+                    run += 1
+                    scratch += bool(step.scratch)
+                for sid in step.release:
+                    self._drop(sid)
+        assert not self.held, f"replay left storages {sorted(self.held)} held"
+        return ReplayStats(self.peak_bytes, run, scratch, len(steps) - run - sum(s.op is None for s in steps))
+
+    def _run_op(self, op: RecordedOp, scratch_ids: frozenset[int]) -> None:
+        scratch: dict[int, torch.UntypedStorage] = {}
+        for sid in op.writes:
+            if sid in scratch_ids:
+                scratch[sid] = self._allocate(sid, held=False)
+            elif sid not in self.held:  # the live range starts with an op that covers the storage
+                self.held[sid] = self._allocate(sid, held=True)
+
+        def real(value: Any) -> Any:
+            if isinstance(value, TensorRef):
+                return self._view(scratch if value.storage in scratch else self.held, value)
+            if isinstance(value, RealRef):
+                if value.tensor._version != value.version:
+                    raise DeferredInitError(
+                        f"a real tensor copied into the model ({op.where}) was modified in place after the copy; "
+                        f"replay would read the new values. Copy a tensor that is not changed afterwards."
+                    )
+                return value.tensor
+            if isinstance(value, torch.device) and value.type == "meta":
+                return self.device
+            return value
+
+        out = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes + sum(s.nbytes() for s in scratch.values()))
+        flat_out, _ = tree_flatten(out)
+        for index, ref in op.creates:
+            self._adopt(ref, flat_out[index], keep=ref.storage not in scratch_ids)
+
+    def _adopt(self, ref: TensorRef, value: Tensor, keep: bool) -> None:
+        """Takes a new output's storage, copied into the recorded layout if the real kernel chose another."""
+        nbytes = self.recording.storage_nbytes[ref.storage]
+        storage = value.untyped_storage()
+        same_layout = (
+            (tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype)
+            == (ref.size, ref.stride, ref.offset, ref.dtype)
+            and storage.nbytes() == nbytes
+            and all(storage._cdata != held._cdata for held in self.held.values())
+        )
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes + storage.nbytes())
+        if not keep:
+            return
+        if not same_layout:
+            fresh = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            self._view({ref.storage: fresh}, ref).copy_(value)
+            storage = fresh
+        self.held[ref.storage] = storage
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def _allocate(self, sid: int, held: bool) -> torch.UntypedStorage:
+        nbytes = self.recording.storage_nbytes[sid]
+        if held:
+            self.held_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+
+    def _drop(self, sid: int) -> None:
+        if self.held.pop(sid, None) is not None:
+            self.held_bytes -= self.recording.storage_nbytes[sid]
+
+    def _view(self, storages: dict[int, torch.UntypedStorage], ref: TensorRef) -> Tensor:
+        tensor = torch.empty(0, dtype=ref.dtype, device=self.device)
+        return tensor.set_(storages[ref.storage], ref.offset, ref.size, ref.stride)
+
+
+def _restore_generators(recording: Recording) -> None:
+    if recording.device.type == "cpu":
+        torch.set_rng_state(recording.entry_state)
+    else:
+        torch.cuda.set_rng_state(recording.entry_state, recording.device)
+    for generator, state in recording.generators.values():
+        generator.set_state(state)
+
+
+def materialize_module(module: nn.Module, recording: Recording) -> ReplayStats:
+    """Gives every meta parameter and buffer of `module` real storage holding the replayed value.
+
+    Parameter objects keep their identity (optimizers and tied modules hold them); tied names stay one tensor.
+    """
+    plan = ReplayPlan(recording, module)
+    values: dict[int, Tensor] = {}
+    stats = plan.replay(lambda final, value: values.__setitem__(final.key, value))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    swapped: set[int] = set()
+    for final in plan.tensors:
+        for name in final.names:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if name in params:
+                param = params[name]
+                if id(param) not in swapped:
+                    swapped.add(id(param))
+                    replacement = nn.Parameter(values[final.key], requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, replacement)
+            else:
+                owner._buffers[attr] = values[final.key]
+    return stats
