@@ -170,6 +170,15 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
     return tensor
 
 
+def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
+    """Element-wise maximum of ``tensor`` in place over ranks (flags: "did any rank use this parameter")."""
+    log.record("all_reduce", tensor.numel() * tensor.element_size())
+    if _world(group) > 1:
+        with log.blocking("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Overwrite ``tensor`` in place with rank ``src``'s copy (``src`` is a global rank)."""
     log.record("broadcast", tensor.numel() * tensor.element_size())

@@ -44,11 +44,12 @@ from zero_strategy.core.optimizer import (
     remove_zero_grad_hook,
     repoint_param_groups,
 )
+from zero_strategy.core.reduction_order import ReductionOrder
 from zero_strategy.core.sharding import UnitPlan, choose_unit_modules, plan_units
 from zero_strategy.core.shared_shards import SharedShards
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
-from zero_strategy.core.unused import Saved, protect_unused, restore_unused
+from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
 
 
 def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
@@ -57,6 +58,10 @@ def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
         p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
         return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
     return DistContext(None, 0, 1, 0)
+
+
+def _used_by_some_rank(flat: FlatParam) -> bool:
+    return any(flat.grad_seen)
 
 
 class ZeroEngine:
@@ -98,8 +103,9 @@ class ZeroEngine:
             self._shared_memory_unavailable(self.shared.failure or "")
         self._sync_buffers()
         self._repoint_optimizers()
+        order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank)
         self.hooks = RuntimeHooks(
-            self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward
+            self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
         self.hooks.reduce_dtype = policy.reduce_dtype if policy else None
         self.hooks.install()
@@ -244,13 +250,17 @@ class ZeroEngine:
         Stage 1 reduce-scatters here (the accumulation boundary); stages 2/3 already did during backward.
         """
         index = self.optimizer_index(optimizer)
+        # Which parameters some rank used this step (see [Note: unused parameters] in unused.py); at stage 1 it
+        # also tells which FlatParams every rank must reduce, zeros included where this rank has no gradient.
+        agree_on_used(list(self._flat_params_of(index)), self.ctx.group, self.comm_log)
+        at_boundary = None if self.stage.reduces_every_microstep else _used_by_some_rank
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
-            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype)
+            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype, force=at_boundary)
         for unit in self.units:
             unit.finish_reduce()
-        # parameters that produced no gradient must not move (see [Note: unused parameters] in unused.py)
+        # parameters that produced no gradient on any rank must not move
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
         if self.shared is not None:
             self.shared.before_writes()  # peers are done reading our shards for this step

@@ -283,10 +283,13 @@ class FlatParam:
         self.start_reduce(reduce_dtype)
         self.finish_reduce()
 
-    def start_reduce(self, reduce_dtype: torch.dtype | None = None) -> None:
+    def start_reduce(self, reduce_dtype: torch.dtype | None = None, force: bool = False) -> None:
         """Flatten the module's gradients (releasing them) and start reduce-scattering them; :meth:`finish_reduce`
-        adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time."""
-        if not self.has_pending_grads():
+        adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time.
+
+        ``force``: reduce even without a local gradient (zeros), because a peer has one and every rank must take
+        part in every exchange (see [Note: collective order] in hooks.py)."""
+        if not (self.has_pending_grads() or (force and self.trainable)):
             return
         self.finish_reduce()
         flat = self._flatten_grads(reduce_dtype or self.full.dtype)
@@ -325,6 +328,15 @@ class FlatParam:
             elif not add:
                 target.zero_()
         return flat
+
+    def note_local_use(self) -> None:
+        """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
+        pairs = zip(self.grad_seen, self.params, strict=True)
+        self.grad_seen = [seen or param.grad is not None for seen, param in pairs]
+
+    def requires_grad_now(self) -> bool:
+        """Whether autograd can produce a gradient for this FlatParam at all (a GAN toggles ``requires_grad``)."""
+        return self.trainable and any(param.requires_grad for param in self.params)
 
     def unused_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""
