@@ -30,10 +30,13 @@ def _ddp_run(rank: int, world_size: int, kind: str) -> dict[str, torch.Tensor]:
     return clone_state(model)
 
 
-def _zero_run(rank: int, world_size: int, kind: str, stage: int, units: str) -> dict[str, torch.Tensor]:
+def _zero_run(
+    rank: int, world_size: int, kind: str, stage: int, units: str, collectives: str = "auto"
+) -> dict[str, torch.Tensor]:
     model = make_moe()
     optimizer = _optimizer(kind, model.parameters())
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, unit_modules=UNIT_CHOICES[units]))
+    config = ZeroConfig(stage=stage, unit_modules=UNIT_CHOICES[units], collectives=collectives)
+    engine = ZeroEngine(model, [optimizer], config)
     if units == "one_unit":
         assert [u.name for u in engine.units] == ["", "experts"]
     else:
@@ -51,6 +54,10 @@ def _all_runs(rank: int, world_size: int, kind: str, stages: tuple[int, ...]) ->
         # per-tensor counters exactly (a warning says so); SGD covers the one-unit layout.
         for units in UNIT_CHOICES if kind == "sgd" else ["separate"]:
             results[(stage, units)] = _zero_run(rank, world_size, kind, stage, units)
+    if kind == "sgd":
+        # Stage 3 gathers through the network instead of shared memory: with the experts one unit every rank gathers
+        # it whichever experts it routes to, so gathers still pair up.
+        results[(3, "one_unit", "point_to_point")] = _zero_run(rank, world_size, kind, 3, "one_unit", "point_to_point")
     return results
 
 
