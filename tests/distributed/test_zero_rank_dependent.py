@@ -3,6 +3,8 @@ DDP(find_unused_parameters=True) at every stage, with the experts as separate un
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers.models import assert_state_close, clone_state
@@ -12,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.gather_watch import DivergedGathersError
 from zero_strategy.testing import run_ranks
 
 UNIT_CHOICES = {"separate": [], "one_unit": ["ModuleList"]}
@@ -134,3 +137,35 @@ def test_root_without_parameters_syncs_buffers_and_prefetches() -> None:
         # blocks.0 prefetches blocks.1, blocks.1 prefetches blocks.2 (the end of the root's forward may ask for
         # blocks.2, the first unit backward needs, again: a no-op, it is still whole)
         assert result["prefetched"][:2] == ["blocks.1", "blocks.2"], f"rank {rank}: {result['prefetched']}"
+
+
+def _network_divergence_run(rank: int, world_size: int, collectives: str) -> str:
+    model = make_moe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives=collectives))
+    assert engine.shared is None  # gathers go through the network
+    start = time.monotonic()
+    try:
+        train_moe(model, model, optimizer, rank, world_size,
+                  (lambda: engine.prepare_step(optimizer), lambda: engine.after_step(optimizer)))
+    except DivergedGathersError as error:
+        return f"{time.monotonic() - start:.1f} {error}"
+    return "trained"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collectives", ["point_to_point", "native"])
+def test_network_gathers_of_different_units_fail_fast_on_every_rank(collectives: str) -> None:
+    """Stage 3 through the network, each expert its own unit, each rank routing to another expert: the ranks gather
+    different units. Point-to-point gathers would wait forever (and, being the same size, experts' gathers would
+    pair up with each other's bytes): every rank raises within seconds, well before the process group's timeout,
+    naming the units and the remedy; "native" collectives pair equal-sized gathers without waiting, so the step
+    is refused instead."""
+    results = run_ranks(_network_divergence_run, 2, collectives, timeout_s=50, pg_timeout_s=40)
+    for rank, result in enumerate(results):
+        assert result != "trained", f"rank {rank} trained on mismatched gathers"
+        seconds, message = result.split(" ", 1)
+        assert float(seconds) < 15, f"rank {rank} took {seconds} s to fail"
+        assert "unit_modules" in message and "shared_memory" in message, message
+        if collectives == "point_to_point":
+            assert "'experts.0' on rank 0, 'experts.1' on rank 1" in message, message

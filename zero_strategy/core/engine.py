@@ -12,11 +12,12 @@ Global-norm clipping adds one scalar all-reduce.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from zero_strategy.core.collectives import (
     prefers_point_to_point,
 )
 from zero_strategy.core.flat_param import DistContext, FlatParam
+from zero_strategy.core.gather_watch import GatherWatch
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
@@ -58,6 +60,10 @@ def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
         p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
         return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
     return DistContext(None, 0, 1, 0)
+
+
+T = TypeVar("T")
+_watch_numbers = itertools.count()  # one store namespace per engine (engines are built in the same order everywhere)
 
 
 def _used_by_some_rank(flat: FlatParam) -> bool:
@@ -101,9 +107,13 @@ class ZeroEngine:
             raise
         if self.shared is not None and not self.shared.connect():
             self._shared_memory_unavailable(self.shared.failure or "")
+        self.watch = self._gather_watch()
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.label, flat.watch = unit.name or "<root>", self.watch
         self._sync_buffers()
         self._repoint_optimizers()
-        order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank)
+        order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank, self._collective)
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
@@ -147,6 +157,18 @@ class ZeroEngine:
             )
         warnings.warn(f"ZeRO stage 3: shared-memory gathers unavailable ({reason}); using point-to-point gathers.",
                       stacklevel=3)
+
+    def _gather_watch(self) -> GatherWatch | None:
+        """Stage 3 gathering through the network: watch for ranks that gather different units (see [Note:
+        diverging gathers] in gather_watch.py). Shared-memory gathers are local copies and need no watch."""
+        local = self.shared is not None and self.shared.connected
+        if not self.stage.reshards_parameters or local or self.ctx.world_size == 1:
+            return None
+        return GatherWatch(self.ctx.group, self.ctx.rank, self.ctx.world_size, str(next(_watch_numbers)))
+
+    def _collective(self, what: str, collective: Callable[[], T]) -> T:
+        """Run one of the engine's blocking collectives between gathers, watched where gathers are."""
+        return collective() if self.watch is None else self.watch.call(what, collective)
 
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):
@@ -231,7 +253,7 @@ class ZeroEngine:
     def _before_root_forward(self) -> None:
         if self.config.broadcast_buffers and self.ctx.world_size > 1 and self.module.training:
             if torch.is_grad_enabled():
-                self._sync_buffers()
+                self._collective("buffer broadcast", self._sync_buffers)
 
     # ------------------------------------------------------------------------------------ optimizer step
     def optimizer_index(self, optimizer: Optimizer) -> int:
@@ -252,7 +274,10 @@ class ZeroEngine:
         index = self.optimizer_index(optimizer)
         # Which parameters some rank used this step (see [Note: unused parameters] in unused.py); at stage 1 it
         # also tells which FlatParams every rank must reduce, zeros included where this rank has no gradient.
-        agree_on_used(list(self._flat_params_of(index)), self.ctx.group, self.comm_log)
+        flats = list(self._flat_params_of(index))
+        self._collective("agreement on used parameters", lambda: agree_on_used(flats, self.ctx.group, self.comm_log))
+        if self.watch is not None:
+            self.watch.check_same_gathers(self.comm_log)
         at_boundary = None if self.stage.reduces_every_microstep else _used_by_some_rank
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.

@@ -28,6 +28,7 @@ ProcessGroup = dist.ProcessGroup | None
 
 _TAG_LIMIT = 2**31  # gloo tags are non-negative 32-bit integers
 _next_tag_of_group: dict[int, int] = {}
+_SALTS = 1024  # gather tags: (gather number, salt) packed into one tag, kept even (reductions' tags are odd)
 
 
 def _next_tag(group: ProcessGroup, kind: int) -> int:
@@ -62,11 +63,12 @@ class PointToPointWork:
         return True
 
 
-def all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PointToPointWork:
-    """Start filling ``output`` (world × ``shard``) with every rank's shard, in rank order."""
+def all_gather(output: Tensor, shard: Tensor, group: ProcessGroup, salt: int = 0) -> PointToPointWork:
+    """Start filling ``output`` (world × ``shard``) with every rank's shard, in rank order. ``salt`` (below 512)
+    goes into the tag, so that gathers of different buffers never pair up (see [Note: diverging gathers])."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.chunk(world)
-    tag = _next_tag(group, 0)
+    tag = (_next_tag(group, 0) * _SALTS + 2 * (salt % (_SALTS // 2))) % _TAG_LIMIT  # even: not a reduction's
     works: list[dist.Work] = []
     for peer in range(world):
         if peer != rank:

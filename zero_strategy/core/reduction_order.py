@@ -6,6 +6,9 @@ backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from zero_strategy.core.collectives import ProcessGroup, broadcast_object
 from zero_strategy.core.unit import ZeroUnit
 
@@ -22,7 +25,15 @@ class ReductionOrder:
     backward and some at its end.
     """
 
-    def __init__(self, units: list[ZeroUnit], group: ProcessGroup, src_rank: int) -> None:
+    def __init__(
+        self,
+        units: list[ZeroUnit],
+        group: ProcessGroup,
+        src_rank: int,
+        run_collective: Callable[[str, Callable[[], Any]], Any] | None = None,
+    ) -> None:
+        """``run_collective(what, fn)``: how to run the one broadcast (the engine watches it at stage 3)."""
+        self.run_collective = run_collective or (lambda what, fn: fn())
         self.units = units
         self.group = group
         self.src_rank = src_rank
@@ -49,7 +60,10 @@ class ReductionOrder:
         sequence every rank follows; the per-backward bookkeeping starts over."""
         if self.agreed is None:
             mine = [self.units.index(unit) for unit in self._recorded]
-            self.agreed = [self.units[i] for i in broadcast_object(mine, self.src_rank, self.group)]
+            agreed = self.run_collective(
+                "agreement on the reduction order", lambda: broadcast_object(mine, self.src_rank, self.group)
+            )
+            self.agreed = [self.units[i] for i in agreed]
             self._recorded = []
             started = 0
         else:
