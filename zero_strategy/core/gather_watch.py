@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -130,17 +131,44 @@ class GatherWatch:
         previous: list[dict] | None = None
         while not done.wait(POLL_S):
             try:
-                states = self._read_all()
+                verdict = self._verdict(previous)
+                if verdict is not None:
+                    self._agree_to_stop(verdict)
+                    raise DivergedGathersError(verdict)
+                previous = self._read_all()
             except RuntimeError as error:  # the store's host (rank 0's process) is gone: a peer stopped
+                if isinstance(error, DivergedGathersError):
+                    raise
                 raise DivergedGathersError(
                     f"ZeRO stage 3: rank {self.rank} waits for its {waiting[0]} #{waiting[1]} ({waiting[2]}) and a "
                     f"peer has stopped ({error}). If the peers raised a diverging-gathers error: {_REMEDY}"
                 ) from error
-            stable = states is not None and previous is not None and _episodes(states) == _episodes(previous)
-            if stable and states is not None and not any(_satisfiable(r, states) for r in range(self.world_size)):
-                raise DivergedGathersError(_message(states))
-            previous = states
         self._store.set(self._key(self.rank), json.dumps({"episode": self._episode, "waiting": None}))
+
+    def _verdict(self, previous: list[dict] | None) -> str | None:
+        """A peer's published verdict, or ours when every rank is stuck in a stable state no peer can satisfy."""
+        if self._store.check([self._prefix + "verdict"]):
+            return bytes(self._store.get(self._prefix + "verdict")).decode()
+        states = self._read_all()
+        if states is None or previous is None or _episodes(states) != _episodes(previous):
+            return None
+        if any(_satisfiable(rank, states) for rank in range(self.world_size)):
+            return None
+        message = _message(states)
+        self._store.set(self._prefix + "verdict", message)
+        return message
+
+    def _agree_to_stop(self, verdict: str) -> None:
+        """Acknowledge the verdict and give the peers a moment to read it before raising: rank 0's process hosts
+        the store, and once it is gone a peer could only say that a peer stopped."""
+        acks = [f"{self._prefix}ack/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + 4 * POLL_S
+        try:
+            self._store.set(acks[self.rank], "1")
+            while time.monotonic() < deadline and not self._store.check(acks):
+                time.sleep(0.02)
+        except RuntimeError:  # the store went away after we read the verdict: nothing more to wait for
+            pass
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
