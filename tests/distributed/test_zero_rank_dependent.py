@@ -61,6 +61,8 @@ def _all_runs(rank: int, world_size: int, kind: str, stages: tuple[int, ...]) ->
         # Stage 3 gathers through the network instead of shared memory: with the experts one unit every rank gathers
         # it whichever experts it routes to, so gathers still pair up.
         results[(3, "one_unit", "point_to_point")] = _zero_run(rank, world_size, kind, 3, "one_unit", "point_to_point")
+        # gloo's own collectives pair by issue order alone: reductions issued in one agreed order keep them paired
+        results[(2, "separate", "native")] = _zero_run(rank, world_size, kind, 2, "separate", "native")
     return results
 
 

@@ -25,8 +25,8 @@ it used differs from its peers' (mixture-of-experts routing, a branch or a head 
 ``find_unused_parameters=True`` averages a gradient over all ranks, with zeros from those that did not use the
 parameter. Two rules give that:
 - reductions start in one agreed order (:class:`ReductionOrder`): a unit whose last gradient landed starts only
-  once every unit before it in that order has; the order is rank 0's, broadcast at the end of the first backward
-  (which reduces everything at its end);
+  once every unit before it in that order has; the order is rank 0's readiness order, broadcast at the end of
+  the first backward (which follows the units' reversed module order, the same on every rank);
 - at the end of backward every trainable unit not yet reduced is reduced on every rank, with zeros where this rank
   has no gradient (skipped only where no parameter of it requires a gradient now, which is the same on every rank).
 When all ranks use every unit the order is the one each rank's backward follows anyway, so reductions still overlap
@@ -247,6 +247,8 @@ class RuntimeHooks:
         if self._reducing is not None:
             self._reducing.finish_reduce()
             self._reducing = None
+        if self.stage.reduces_every_microstep:
+            self.reduction_order.settle()
         for unit in self.units:
             if self.stage.reshards_parameters:
                 unit.reshard()
