@@ -2,9 +2,9 @@
 
 Stage 3 installs forward pre/post hooks on every unit (the root's on the forward entry point), and a hook on each
 unit's outputs that gathers the unit again when backward reaches it. Stages 2 and 3 install a post-accumulate-grad
-hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered
-(stage 3 then frees it). A callback queued at the start of each backward sweeps up at its end: units whose
-parameters were not all used are reduced there, and every unit is freed.
+hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered in
+the agreed order (see [Note: collective order]; stage 3 frees it). A callback queued at the start of each backward
+sweeps up at its end: units not reduced yet are reduced there, and every unit is freed.
 
 [Note: prefetch]
 Forward prefetches the next unit in the order the first forward recorded. Backward does not simply reverse it:
@@ -29,6 +29,9 @@ parameter. Two rules give that:
   the first backward (which follows the units' reversed module order, the same on every rank);
 - at the end of backward every trainable unit not yet reduced is reduced on every rank, with zeros where this rank
   has no gradient (skipped only where no parameter of it requires a gradient now, which is the same on every rank).
+  A unit no rank used in a backward therefore still costs its reduction, as DDP's buckets do: deciding "used by
+  some rank" first would need an agreement in the middle of the reductions, out of order with them for gloo's and
+  NCCL's own collectives.
 When all ranks use every unit the order is the one each rank's backward follows anyway, so reductions still overlap
 backward; a unit a rank did not use holds the units after it back to the end of that rank's backward.
 Whether a parameter is stepped is agreed separately, per optimizer step (see [Note: unused parameters]).
