@@ -164,7 +164,9 @@ class ZeroEngine:
         local = self.shared is not None and self.shared.connected
         if not self.stage.reshards_parameters or local or self.ctx.world_size == 1:
             return None
-        return GatherWatch(self.ctx.group, self.ctx.rank, self.ctx.world_size, str(next(_watch_numbers)))
+        members = dist.get_process_group_ranks(self.ctx.group or dist.group.WORLD)  # groups share one store
+        key = f"{next(_watch_numbers)}/{'-'.join(map(str, members))}"
+        return GatherWatch(self.ctx.group, self.ctx.rank, self.ctx.world_size, key)
 
     def _collective(self, what: str, collective: Callable[[], T]) -> T:
         """Run one of the engine's blocking collectives between gathers, watched where gathers are."""
