@@ -158,7 +158,11 @@ def test_bytes_per_step(stage, world_size, accum):
         steps = 2
         micro_steps = steps * accum
         kinds = {kind for _, snap in phases for kind, nbytes in snap.items() if nbytes}
-        assert kinds <= {"all_gather", "reduce_scatter"}, f"rank {rank}: unexpected collectives {kinds}"
+        assert kinds <= {"all_gather", "reduce_scatter", "all_reduce"}, f"rank {rank}: unexpected collectives {kinds}"
+        # the only all-reduce: which parameters some rank used this step, one byte per parameter tensor, at the step
+        # (see [Note: unused parameters] in unused.py)
+        assert _sum(phases, "prepare", "all_reduce") == steps * len(list(make_model(**MODEL).parameters()))
+        assert _sum(phases, "micro", "all_reduce") == 0 and _sum(phases, "after", "all_reduce") == 0
         rs_micro, rs_prepare = _sum(phases, "micro", "reduce_scatter"), _sum(phases, "prepare", "reduce_scatter")
         ag_micro, ag_after = _sum(phases, "micro", "all_gather"), _sum(phases, "after", "all_gather")
         assert _sum(phases, "prepare", "all_gather") == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -98,8 +98,10 @@ def all_gather_flat(
     log: CommunicationLog,
     async_op: bool = False,
     point_to_point: bool = False,
+    salt: int = 0,
 ) -> PendingGather:
-    """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order."""
+    """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order (``salt``: see
+    :func:`point_to_point.all_gather`)."""
     log.record("all_gather", output.numel() * output.element_size())
     if _world(group) == 1:
         output.copy_(shard)
@@ -107,7 +109,7 @@ def all_gather_flat(
     work: Waitable | None
     with log.blocking("all_gather"):
         if point_to_point:
-            work = point_to_point_exchange.all_gather(output, shard, group)
+            work = point_to_point_exchange.all_gather(output, shard, group, salt)
             if not async_op:
                 work.wait()
         else:
@@ -125,6 +127,11 @@ class PendingReduce:
         self._shard = shard
         self._world = world
         self._log = log
+
+    def watch(self, wrap: Callable[[Waitable], Waitable]) -> None:
+        """Wait through ``wrap(work)`` instead (see [Note: diverging gathers] in gather_watch.py)."""
+        if self._work is not None:
+            self._work = wrap(self._work)
 
     def wait(self) -> Tensor:
         if self._work is not None:
@@ -167,6 +174,15 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
     if _world(group) > 1:
         with log.blocking("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
+    """Element-wise maximum of ``tensor`` in place over ranks (flags: "did any rank use this parameter")."""
+    log.record("all_reduce", tensor.numel() * tensor.element_size())
+    if _world(group) > 1:
+        with log.blocking("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 

@@ -12,11 +12,12 @@ Global-norm clipping adds one scalar all-reduce.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from zero_strategy.core.collectives import (
     prefers_point_to_point,
 )
 from zero_strategy.core.flat_param import DistContext, FlatParam
+from zero_strategy.core.gather_watch import GatherWatch
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
@@ -44,11 +46,12 @@ from zero_strategy.core.optimizer import (
     remove_zero_grad_hook,
     repoint_param_groups,
 )
+from zero_strategy.core.reduction_order import ReductionOrder
 from zero_strategy.core.sharding import UnitPlan, choose_unit_modules, plan_units
 from zero_strategy.core.shared_shards import SharedShards
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
-from zero_strategy.core.unused import Saved, protect_unused, restore_unused
+from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
 
 
 def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
@@ -57,6 +60,14 @@ def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
         p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
         return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
     return DistContext(None, 0, 1, 0)
+
+
+T = TypeVar("T")
+_watch_numbers = itertools.count()  # one store namespace per engine (engines are built in the same order everywhere)
+
+
+def _used_by_some_rank(flat: FlatParam) -> bool:
+    return any(flat.grad_seen)
 
 
 class ZeroEngine:
@@ -97,10 +108,15 @@ class ZeroEngine:
             raise
         if self.shared is not None and not self.shared.connect():
             self._shared_memory_unavailable(self.shared.failure or "")
+        self.watch = self._gather_watch()
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.label, flat.watch = unit.name or "<root>", self.watch
         self._sync_buffers()
         self._repoint_optimizers()
+        order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank, self._collective)
         self.hooks = RuntimeHooks(
-            self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward
+            self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
         self.hooks.reduce_dtype = policy.reduce_dtype if policy else None
         self.hooks.install()
@@ -142,6 +158,20 @@ class ZeroEngine:
             )
         warnings.warn(f"ZeRO stage 3: shared-memory gathers unavailable ({reason}); using point-to-point gathers.",
                       stacklevel=3)
+
+    def _gather_watch(self) -> GatherWatch | None:
+        """Stage 3 gathering through the network: watch for ranks that gather different units (see [Note:
+        diverging gathers] in gather_watch.py). Shared-memory gathers are local copies and need no watch."""
+        local = self.shared is not None and self.shared.connected
+        if not self.stage.reshards_parameters or local or self.ctx.world_size == 1:
+            return None
+        members = dist.get_process_group_ranks(self.ctx.group or dist.group.WORLD)  # groups share one store
+        key = f"{next(_watch_numbers)}/{'-'.join(map(str, members))}"
+        return GatherWatch(self.ctx.group, self.ctx.rank, self.ctx.world_size, key)
+
+    def _collective(self, what: str, collective: Callable[[], T]) -> T:
+        """Run one of the engine's blocking collectives between gathers, watched where gathers are."""
+        return collective() if self.watch is None else self.watch.call(what, collective)
 
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):
@@ -227,7 +257,7 @@ class ZeroEngine:
     def _before_root_forward(self) -> None:
         if self.config.broadcast_buffers and self.ctx.world_size > 1 and self.module.training:
             if torch.is_grad_enabled():
-                self._sync_buffers()
+                self._collective("buffer broadcast", self._sync_buffers)
 
     # ------------------------------------------------------------------------------------ optimizer step
     def optimizer_index(self, optimizer: Optimizer) -> int:
@@ -253,13 +283,20 @@ class ZeroEngine:
         Stage 1 reduce-scatters here (the accumulation boundary); stages 2/3 already did during backward.
         """
         index = self.optimizer_index(optimizer)
+        # Which parameters some rank used this step (see [Note: unused parameters] in unused.py); at stage 1 it
+        # also tells which FlatParams every rank must reduce, zeros included where this rank has no gradient.
+        flats = list(self._flat_params_of(index))
+        self._collective("agreement on used parameters", lambda: agree_on_used(flats, self.ctx.group, self.comm_log))
+        if self.watch is not None:
+            self.watch.check_same_gathers(self.comm_log)
+        at_boundary = None if self.stage.reduces_every_microstep else _used_by_some_rank
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
-            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype)
+            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype, force=at_boundary)
         for unit in self.units:
             unit.finish_reduce()
-        # parameters that produced no gradient must not move (see [Note: unused parameters] in unused.py)
+        # parameters that produced no gradient on any rank must not move
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
         if self.shared is not None:
             self.shared.before_writes()  # peers are done reading our shards for this step

@@ -11,6 +11,7 @@ assignment gives each parameter its own version counter, so the in-place all-gat
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -27,6 +28,7 @@ from zero_strategy.core.collectives import (
     broadcast_flat,
     start_reduce_scatter_mean,
 )
+from zero_strategy.core.gather_watch import GatherWatch
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.shared_shards import SharedShards, gather_from_shards
@@ -72,6 +74,8 @@ class FlatParam:
     master_pieces: list[nn.Parameter]  # views of `shard`, one per optimizer param group it touches
     piece_group_index: list[int]  # for each master piece, the index of its optimizer param group
     piece_offset: list[int]  # for each master piece, where it starts inside `shard`
+    label: str = ""  # the unit this FlatParam belongs to, for messages
+    watch: GatherWatch | None = None  # stage 3, network gathers: see [Note: diverging gathers]
 
     def __init__(
         self,
@@ -84,6 +88,7 @@ class FlatParam:
         """``group_index_of`` maps ``id(param)`` to its optimizer param group; None for parameters no optimizer
         updates (frozen, or evaluation without an optimizer)."""
         self.names = [name for name, _ in named_params]
+        self._salt = zlib.crc32(self.names[0].encode())  # the same on every rank, differs between units
         self.params = [param for _, param in named_params]
         self.ctx = ctx
         self.log = log
@@ -190,8 +195,10 @@ class FlatParam:
             self.state = ShardState.UNSHARDED
             return
         self._pending = all_gather_flat(
-            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point
+            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
         )
+        if self.watch is not None and self._pending.work is not None:
+            self._pending = self._pending._replace(work=self.watch.watched("gather", self.label, self._pending.work))
 
     def finish_unshard(self) -> None:
         """Wait for the gather started by :meth:`start_unshard`; afterwards the module's parameters are usable."""
@@ -288,14 +295,20 @@ class FlatParam:
         self.start_reduce(reduce_dtype)
         self.finish_reduce()
 
-    def start_reduce(self, reduce_dtype: torch.dtype | None = None) -> None:
+    def start_reduce(self, reduce_dtype: torch.dtype | None = None, force: bool = False) -> None:
         """Flatten the module's gradients (releasing them) and start reduce-scattering them; :meth:`finish_reduce`
-        adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time."""
-        if not self.has_pending_grads():
+        adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time.
+
+        ``force``: reduce even without a local gradient (zeros), because a peer has one and every rank must take
+        part in every exchange (see [Note: collective order] in hooks.py)."""
+        if not (self.has_pending_grads() or (force and self.trainable)):
             return
         self.finish_reduce()
         flat = self._flatten_grads(reduce_dtype or self.full.dtype)
         self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
+        watch = self.watch
+        if watch is not None:
+            self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))
 
     def finish_reduce(self) -> None:
         """Wait for the reduction started by :meth:`start_reduce` and accumulate this rank's slice (in fp32, where
@@ -330,6 +343,15 @@ class FlatParam:
             elif not add:
                 target.zero_()
         return flat
+
+    def note_local_use(self) -> None:
+        """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
+        pairs = zip(self.grad_seen, self.params, strict=True)
+        self.grad_seen = [seen or param.grad is not None for seen, param in pairs]
+
+    def requires_grad_now(self) -> bool:
+        """Whether autograd can produce a gradient for this FlatParam at all (a GAN toggles ``requires_grad``)."""
+        return self.trainable and any(param.requires_grad for param in self.params)
 
     def unused_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""

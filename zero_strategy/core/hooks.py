@@ -2,9 +2,9 @@
 
 Stage 3 installs forward pre/post hooks on every unit (the root's on the forward entry point), and a hook on each
 unit's outputs that gathers the unit again when backward reaches it. Stages 2 and 3 install a post-accumulate-grad
-hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered
-(stage 3 then frees it). A callback queued at the start of each backward sweeps up at its end: units whose
-parameters were not all used are reduced there, and every unit is freed.
+hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered in
+the agreed order (see [Note: collective order]; stage 3 frees it). A callback queued at the start of each backward
+sweeps up at its end: units not reduced yet are reduced there, and every unit is freed.
 
 [Note: prefetch]
 Forward prefetches the next unit in the order the first forward recorded. Backward does not simply reverse it:
@@ -20,10 +20,30 @@ need not meet at every unit: backward of the next unit computes while the bytes 
 behind costs the other rank nothing until the wait. At most two units' flattened gradients are alive at once.
 
 [Note: collective order]
-Every rank must issue collectives in the same order. A unit is reduced when its last gradient lands, which
-happens in the same order on every rank as long as all ranks run the same graph; units with parameters unused
-on every rank are reduced at the end of backward in unit order. A model whose *set of used parameters differs
-between ranks* within one step (data-dependent branches) is not supported at stages 2/3.
+Every rank must issue collectives in the same order, and take part in every one, even where the set of parameters
+it used differs from its peers' (mixture-of-experts routing, a branch or a head used on some batches): DDP with
+``find_unused_parameters=True`` averages a gradient over all ranks, with zeros from those that did not use the
+parameter. Two rules give that:
+- reductions start in one agreed order (:class:`ReductionOrder`): a unit whose last gradient landed starts only
+  once every unit before it in that order has; the order is rank 0's readiness order, broadcast at the end of
+  the first backward (which follows the units' reversed module order, the same on every rank);
+- at the end of backward every trainable unit not yet reduced is reduced on every rank, with zeros where this rank
+  has no gradient (skipped only where no parameter of it requires a gradient now, which is the same on every rank).
+  A unit no rank used in a backward therefore still costs its reduction, as DDP's buckets do: deciding "used by
+  some rank" first would need an agreement in the middle of the reductions, out of order with them for gloo's and
+  NCCL's own collectives.
+When all ranks use every unit the order is the one each rank's backward follows anyway, so reductions still overlap
+backward; a unit a rank did not use holds the units after it back to the end of that rank's backward.
+Whether a parameter is stepped is agreed separately, per optimizer step (see [Note: unused parameters]).
+
+Stage 3 gathers are collectives too unless the shards are in shared memory (one host's CPU ranks, where a gather
+is a local copy): there rank-dependent use just works. With network gathers a rank that gathers a unit its peers
+do not gather would wait forever, see [Note: diverging gathers] in gather_watch.py.
+
+[Note: container units]
+A ``ModuleList``/``ModuleDict`` made one unit (all experts of a mixture-of-experts layer, so that their gathers
+and reductions are one exchange whichever experts a rank routes to) has no forward of its own: its hooks go on
+its children, so calling any child gathers the whole unit and each child's outputs gather it again for backward.
 """
 
 from __future__ import annotations
@@ -38,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.reduction_order import ReductionOrder
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.unit import TrainingState, ZeroUnit
 
@@ -63,12 +84,14 @@ class RuntimeHooks:
         entry_module: nn.Module,
         prefetch: bool,
         on_root_forward: Callable[[], None],
+        reduction_order: ReductionOrder,
     ) -> None:
         self.units = units
         self.stage = stage
         self.entry_module = entry_module
         self.prefetch = prefetch
         self.on_root_forward = on_root_forward
+        self.reduction_order = reduction_order
         self.reduce_dtype: torch.dtype | None = None
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
@@ -81,16 +104,32 @@ class RuntimeHooks:
     def install(self) -> None:
         for unit in self.units:
             if self.stage.reshards_parameters:
-                module = self.entry_module if unit.is_root else unit.module
-                self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True))
-                self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
+                for module in self._forward_entries(unit):
+                    self._handles.append(
+                        module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True)
+                    )
+                    self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
                     self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
             else:
                 self._install_grad_stash(unit)
-        if not self.stage.reshards_parameters:
-            self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_forward_replicated))
+        # The step's own hooks go on the entry point whether or not the root stores parameters (a root whose
+        # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
+        # root unit's gather, and the post-hook after the root unit's.
+        self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_root_forward, prepend=True))
+        self._handles.append(self.entry_module.register_forward_hook(self._post_root_forward))
+
+    def _forward_entries(self, unit: ZeroUnit) -> list[nn.Module]:
+        """The modules whose forward hooks gather ``unit`` (see [Note: container units])."""
+        if unit.is_root:
+            return [self.entry_module]
+        if type(unit.module).forward is nn.Module.forward:  # a container: nothing calls it, its children compute
+            children = list(unit.module.children())
+            if not children:
+                raise ValueError(f"ZeRO unit {unit.name!r} has no forward and no children; it can never be gathered")
+            return children
+        return [unit.module]
 
     def _install_grad_stash(self, unit: ZeroUnit) -> None:
         """Stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they are produced,
@@ -111,16 +150,24 @@ class RuntimeHooks:
         self._handles.clear()
 
     # --------------------------------------------------------------------------------------------- forward
-    def _pre_forward_replicated(self, module: nn.Module, args: Any) -> None:
+    def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.on_root_forward()
+
+    def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward() or not self.stage.reshards_parameters:
+            return
+        self._order_recorded = True
+        if self.prefetch and self._backward_order_recorded and torch.is_grad_enabled():
+            # the loss and the root's own backward run while the first unit backward needs is gathered
+            first = next((u for u in self.backward_order if not u.is_root), None)
+            if first is not None:
+                first.start_unshard()
 
     def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
         if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
             unit.unshard()
             return
-        if unit.is_root:
-            self.on_root_forward()
         unit.unshard()
         unit.state = TrainingState.FORWARD
         if not self._order_recorded:
@@ -139,16 +186,9 @@ class RuntimeHooks:
                     tensor.register_hook(partial(self._pre_backward, unit))
         # After a training forward the root and the last unit forward ran stay whole: backward needs them first,
         # and freeing them would only gather them again right away (the end of backward frees them).
-        last = self._order_recorded and unit is self.forward_order[-1]
+        last = self._order_recorded and self.forward_order and unit is self.forward_order[-1]
         if not ((unit.is_root or last) and torch.is_grad_enabled()):
             unit.reshard()
-        if unit.is_root:
-            self._order_recorded = True
-            if self.prefetch and self._backward_order_recorded and torch.is_grad_enabled():
-                # the loss and the root's own backward run while the first unit backward needs is gathered
-                first = next((u for u in self.backward_order if not u.is_root), None)
-                if first is not None:
-                    first.start_unshard()
 
     @staticmethod
     def _prefetch(order: list[ZeroUnit], unit: ZeroUnit, step: int) -> None:
@@ -180,16 +220,22 @@ class RuntimeHooks:
         unit.grads_ready += 1
         if unit.grads_ready < unit.expected_grads():
             return
-        # The reduction runs while backward goes on to the next unit; waiting for the previous one first bounds
-        # the memory of flattened gradients in flight to two units (see [Note: overlapped reduction]).
-        if self._reducing is not None:
-            self._reducing.finish_reduce()
-        unit.start_reduce(reduce_dtype=self.reduce_dtype)
-        self._reducing = unit
+        # Reductions start in the agreed order (see [Note: collective order]) and run while backward goes on.
+        for ready in self.reduction_order.on_ready(unit):
+            self._start_reduce(ready)
         # A unit with frozen parameters may still be needed by backward ops that produce no gradient for it
         # (a frozen layer earlier in the unit), and the root's parameters can be used anywhere: both wait.
         if self.stage.reshards_parameters and not unit.has_frozen and not unit.is_root:
             unit.reshard()
+
+    def _start_reduce(self, unit: ZeroUnit) -> None:
+        """Start ``unit``'s reduction on every rank's behalf: a FlatParam this rank has no gradient for sends zeros,
+        because a peer may have one. Waiting for the previous unit first bounds the memory of flattened gradients
+        in flight to two units (see [Note: overlapped reduction])."""
+        if self._reducing is not None:
+            self._reducing.finish_reduce()
+        unit.start_reduce(reduce_dtype=self.reduce_dtype, force=FlatParam.requires_grad_now)
+        self._reducing = unit
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -198,12 +244,15 @@ class RuntimeHooks:
 
     def _end_of_backward(self) -> None:
         self._backward_order_recorded = bool(self.backward_order)
+        if self.stage.reduces_every_microstep:
+            for unit in self.reduction_order.end_of_backward():
+                self._start_reduce(unit)
         if self._reducing is not None:
             self._reducing.finish_reduce()
             self._reducing = None
+        if self.stage.reduces_every_microstep:
+            self.reduction_order.settle()
         for unit in self.units:
-            if self.stage.reduces_every_microstep:
-                unit.reduce_grads(reduce_dtype=self.reduce_dtype)
             if self.stage.reshards_parameters:
                 unit.reshard()
             unit.state = TrainingState.IDLE

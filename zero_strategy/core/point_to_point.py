@@ -28,13 +28,17 @@ ProcessGroup = dist.ProcessGroup | None
 
 _TAG_LIMIT = 2**31  # gloo tags are non-negative 32-bit integers
 _next_tag_of_group: dict[int, int] = {}
+_SALTS = 1024  # gather tags: (gather number, salt) packed into one tag, kept even (reductions' tags are odd)
 
 
-def _next_tag(group: ProcessGroup) -> int:
-    key = id(group) if group is not None else 0
+def _next_tag(group: ProcessGroup, kind: int) -> int:
+    """Gathers (kind 0) and reductions (kind 1) count separately: each kind is issued in one order on every rank,
+    but at stage 3 a rank may post a reduction before a gather that a peer posts after it (see [Note: collective
+    order] in hooks.py), so one shared counter would pair different exchanges."""
+    key = (id(group) if group is not None else 0) * 2 + kind
     tag = _next_tag_of_group.get(key, 0)
-    _next_tag_of_group[key] = (tag + 1) % _TAG_LIMIT
-    return tag
+    _next_tag_of_group[key] = (tag + 1) % (_TAG_LIMIT // 2)
+    return tag * 2 + kind
 
 
 class PointToPointWork:
@@ -59,11 +63,12 @@ class PointToPointWork:
         return True
 
 
-def all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PointToPointWork:
-    """Start filling ``output`` (world × ``shard``) with every rank's shard, in rank order."""
+def all_gather(output: Tensor, shard: Tensor, group: ProcessGroup, salt: int = 0) -> PointToPointWork:
+    """Start filling ``output`` (world × ``shard``) with every rank's shard, in rank order. ``salt`` (below 512)
+    goes into the tag, so that gathers of different buffers never pair up (see [Note: diverging gathers])."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.chunk(world)
-    tag = _next_tag(group)
+    tag = (_next_tag(group, 0) * _SALTS + 2 * (salt % (_SALTS // 2))) % _TAG_LIMIT  # even: not a reduction's
     works: list[dist.Work] = []
     for peer in range(world):
         if peer != rank:
@@ -80,7 +85,7 @@ def reduce_scatter_sum(output: Tensor, flat: Tensor, group: ProcessGroup) -> Poi
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = flat.chunk(world)
-    tag = _next_tag(group)
+    tag = _next_tag(group, 1)
     # Two ranks receive straight into the output; more ranks need one buffer per peer (N-2 more chunks).
     received = {peer: output if world == 2 else output.new_empty(output.shape) for peer in range(world) if peer != rank}
     works: list[dist.Work] = []

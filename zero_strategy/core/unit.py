@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -98,11 +99,17 @@ class ZeroUnit:
         self.start_reduce(optimizer_index, reduce_dtype)
         self.finish_reduce()
 
-    def start_reduce(self, optimizer_index: int | None = None, reduce_dtype: torch.dtype | None = None) -> None:
-        """Start reduce-scattering pending gradients; :meth:`finish_reduce` waits and accumulates them."""
+    def start_reduce(
+        self,
+        optimizer_index: int | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        force: Callable[[FlatParam], bool] | None = None,
+    ) -> None:
+        """Start reduce-scattering pending gradients; :meth:`finish_reduce` waits and accumulates them.
+        ``force(flat)`` True: reduce that FlatParam even without a local gradient (a peer may have one)."""
         for flat, index in zip(self.flat_params, self.optimizer_index, strict=True):
             if flat.trainable and (optimizer_index is None or index == optimizer_index):
-                flat.start_reduce(reduce_dtype)
+                flat.start_reduce(reduce_dtype, force=force is not None and force(flat))
 
     def finish_reduce(self) -> None:
         for flat in self.flat_params:

@@ -5,20 +5,43 @@ torch optimizers skip a parameter whose ``.grad`` is None: no weight decay, no m
 covers several parameters, and the reduced slice holds zeros where a parameter produced no gradient, so an
 optimizer would decay and move it. Pieces made only of such parameters get ``grad=None`` (the optimizer skips
 them, state untouched); in mixed pieces the unused elements and their element-wise optimizer state are put back
-after the step. "Unused" is decided from this rank's own backward: like stages 2/3's collective order, this
-assumes every rank uses the same set of parameters in a step (see [Note: collective order] in hooks.py).
+after the step.
+
+"Unused" means unused on *every* rank, as with DDP(find_unused_parameters=True): a parameter that one rank used
+(mixture-of-experts routing, a branch taken on some batches) gets the average of every rank's gradient, zeros from
+the ranks that did not use it, and is stepped everywhere. Ranks agree once per optimizer step: each contributes a
+bitmap of the parameters it produced a gradient for since the last step, and one all-reduce (MAX, one byte per
+parameter tensor of the optimizer) gives every rank the same answer, so every rank steps the same elements.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_strategy.core.collectives import CommunicationLog, ProcessGroup, all_reduce_max
 from zero_strategy.core.flat_param import FlatParam
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
+
+
+def agree_on_used(flats: list[FlatParam], group: ProcessGroup, log: CommunicationLog) -> None:
+    """Collective: make every FlatParam's ``grad_seen`` mean "some rank produced a gradient for it this step"."""
+    for flat in flats:
+        flat.note_local_use()
+    seen = [seen for flat in flats for seen in flat.grad_seen]
+    if not seen:
+        return
+    device = flats[0].full.device
+    agreed = all_reduce_max(torch.tensor(seen, dtype=torch.uint8, device=device), group, log).tolist()
+    offset = 0
+    for flat in flats:
+        flat.grad_seen = [bool(used) for used in agreed[offset : offset + len(flat.grad_seen)]]
+        offset += len(flat.grad_seen)
 
 
 def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:
@@ -38,12 +61,35 @@ def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:
             if sum(hi - lo for lo, hi in inside) == piece.numel():
                 piece.grad = None  # nothing in it was used: the optimizer skips it entirely
                 continue
+            state = optimizer.state.get(piece, {})
+            if "step" in state:
+                _warn_shared_step_counter(flat, inside, offset)
             tensors = [piece.data] + [
-                value for value in optimizer.state.get(piece, {}).values()
+                value for value in state.values()
                 if isinstance(value, Tensor) and value.shape == piece.shape and value.dim() > 0
             ]
             saved += [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in inside]
     return saved
+
+
+_warned: set[int] = set()
+
+
+def _warn_shared_step_counter(flat: FlatParam, inside: list[tuple[int, int]], offset: int) -> None:
+    """Elements are put back exactly, but a per-tensor step counter (Adam's bias correction) is one per master
+    piece: it advances for the unused parameters too, which torch would not do. Said once per FlatParam."""
+    if id(flat) in _warned:
+        return
+    _warned.add(id(flat))
+    names = {o.name for o in flat.layout.overlaps(flat.ctx.rank)
+             if any(o.shard_start < offset + hi and o.shard_start + o.numel > offset + lo for lo, hi in inside)}
+    warnings.warn(
+        f"ZeRO: parameters {sorted(names)} produced no gradient on any rank in a step but share a master piece with "
+        "parameters that did; they are not moved, but the optimizer's step counter of that piece advances for them "
+        "(Adam's bias correction then differs slightly from DDP's). Make them a unit of their own (e.g. each expert "
+        "one unit, the default for ModuleList children) to be exact.",
+        stacklevel=3,
+    )
 
 
 def restore_unused(saved: Saved) -> None:
