@@ -34,9 +34,7 @@ def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> Met
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
 
     def step() -> None:
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
 
     return MethodRun(model, model, optimizer, step, optimizer, engine)
 

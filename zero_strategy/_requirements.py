@@ -13,7 +13,7 @@ MIN_TORCH = "2.6"
 
 def check_torch() -> None:
     """Refuse a torch whose ``isend``/``irecv`` lack ``group_dst``/``group_src`` (added in torch 2.6): the
-    point-to-point exchange (core/point_to_point.py) addresses peers by their rank inside a process group."""
+    point-to-point exchange (core/transport/point_to_point.py) addresses peers by their rank inside a process group."""
     if not dist.is_available():  # a build without torch.distributed: nothing here can run, say so at use
         return
     if "group_dst" not in inspect.signature(dist.isend).parameters:

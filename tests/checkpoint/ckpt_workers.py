@@ -46,9 +46,7 @@ def train_steps(
         optimizer.zero_grad()
         for tokens in micro:
             (lm_loss(model, rank_slice(tokens, rank, world)) / len(micro)).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
 
 
 def full_state(model: nn.Module, engine: ZeroEngine) -> dict[str, Tensor]:

@@ -64,9 +64,7 @@ def _save_one_rank(model: nn.Module, path: Path, state: dict | None = None) -> d
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
     model(torch.randint(0, 11, (8,))).square().mean().backward()
-    engine.prepare_step(optimizer)
-    optimizer.step()
-    engine.after_step(optimizer)
+    engine.optimizer_step(optimizer)
     save_sharded(engine, path, state or trainer_state(1), INFO)
     with engine.gathered_parameters():
         return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}

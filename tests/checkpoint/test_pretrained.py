@@ -274,9 +274,7 @@ def _save_with_buffers(path: Path, trainer_state: dict) -> dict[str, Tensor]:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
     model(torch.randint(0, 9, (8,))).square().mean().backward()
-    engine.prepare_step(optimizer)
-    optimizer.step()
-    engine.after_step(optimizer)
+    engine.optimizer_step(optimizer)
     save_sharded(engine, path, trainer_state, INFO)
     with engine.gathered_parameters():
         return {k: v.detach().clone() for k, v in model.state_dict().items()}

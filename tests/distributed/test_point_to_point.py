@@ -8,9 +8,9 @@ import torch.distributed as dist
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core import point_to_point
-from zero_strategy.core.collectives import CommunicationLog, prefers_point_to_point, start_reduce_scatter_mean
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.transport import point_to_point
+from zero_strategy.core.transport.collectives import CommunicationLog, prefers_point_to_point, start_reduce_scatter_mean
 from zero_strategy.testing import run_ranks
 
 
@@ -84,9 +84,7 @@ def training_worker(rank: int, world_size: int, stage: int, collectives: str) ->
     for (tokens,) in make_batches(3, 1, 8, vocab=13):
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
     engine.release()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 

@@ -12,8 +12,8 @@ import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core import shared_shards
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.transport import shared_shards
 from zero_strategy.testing import run_ranks
 
 
@@ -46,11 +46,10 @@ def train_worker(rank, world_size, collectives, slow_rank, sabotage):
     for (tokens,) in make_batches(3, 1, 8):
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
-        engine.prepare_step(optimizer)
-        if rank == slow_rank:  # and late to write: peers must not gather its shards before they are new
-            time.sleep(0.05)
-        optimizer.step()
-        engine.after_step(optimizer)
+        with engine.step_window(optimizer):
+            if rank == slow_rank:  # and late to write: peers must not gather its shards before they are new
+                time.sleep(0.05)
+            optimizer.step()
     shared = engine.shared is not None and engine.shared.connected
     engine.release()
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

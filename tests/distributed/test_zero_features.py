@@ -26,10 +26,9 @@ def _sgd(params):
 def _step(engine: ZeroEngine | None, optimizer: torch.optim.Optimizer) -> None:
     """One optimizer step, through the engine when there is one (the reference runs plain torch)."""
     if engine is not None:
-        engine.prepare_step(optimizer)
-    optimizer.step()
-    if engine is not None:
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
+    else:
+        optimizer.step()
 
 
 def _final_state(engine: ZeroEngine | None, model: nn.Module) -> dict:
@@ -189,9 +188,7 @@ def _eval_between_steps(rank, world_size, stage):
     for (tokens,) in make_batches(3, 1, GLOBAL_BATCH):
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
         model.eval()
         with torch.no_grad():
             evals.append(model(probe).clone())
@@ -316,9 +313,7 @@ def _release_run(rank, world_size, stage):
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
     (tokens,) = make_batches(1, 1, GLOBAL_BATCH)[0]
     lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
-    engine.prepare_step(optimizer)
-    optimizer.step()
-    engine.after_step(optimizer)
+    engine.optimizer_step(optimizer)
     engine.release()
     engine.comm_log.reset()
     storages = [p.untyped_storage() for p in model.parameters()]
@@ -356,9 +351,7 @@ def _different_init_run(rank, world_size, stage):
     for (tokens,) in make_batches(2, 1, GLOBAL_BATCH):
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
     with engine.gathered_parameters():
         return adopted, clone_state(model)
 

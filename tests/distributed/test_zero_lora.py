@@ -50,10 +50,9 @@ def _zero_run(rank: int, world_size: int, kind: str, stage: int, path: str | Non
     for tokens in lora_batches(STEPS, 2 * world_size):
         optimizer.zero_grad()
         lora_loss(model, kind, _rows(tokens, rank, world_size)).backward()
-        engine.prepare_step(optimizer)
-        gradient_bytes = memory_report(engine).gradients
-        optimizer.step()
-        engine.after_step(optimizer)
+        with engine.step_window(optimizer):
+            gradient_bytes = memory_report(engine).gradients
+            optimizer.step()
     if path is not None:
         save_sharded(engine, path, {"optimizer_states": [{}], "global_step": STEPS, "epoch": 0}, INFO)
     with engine.gathered_parameters():

@@ -47,13 +47,12 @@ def memory_worker(rank, world_size, stage):
     out["module_grads_after_backward"] = len(_module_grads(model))
     out["master_grad_bytes_after_backward"] = StorageTally().bytes_of(p.grad for p in optimizer_params(optimizer))
     out["params_after_backward"] = _param_bytes(model, optimizer)
-    engine.prepare_step(optimizer)
-    out["module_grads_after_prepare"] = len(_module_grads(model))
-    out["grad_bytes_after_prepare"] = StorageTally().bytes_of(
-        [p.grad for p in optimizer_params(optimizer)] + _module_grads(model)
-    )
-    optimizer.step()
-    engine.after_step(optimizer)
+    with engine.step_window(optimizer):  # on entry the reduced gradients are on the master pieces
+        out["module_grads_after_prepare"] = len(_module_grads(model))
+        out["grad_bytes_after_prepare"] = StorageTally().bytes_of(
+            [p.grad for p in optimizer_params(optimizer)] + _module_grads(model)
+        )
+        optimizer.step()
     out["state_bytes"] = StorageTally().bytes_of(optimizer_state_tensors(optimizer))
     out["state_numel_big"] = sum(t.numel() for t in optimizer_state_tensors(optimizer, min_numel=2))
     out["exp_avg_numel"] = sum(s["exp_avg"].numel() for s in optimizer.state.values())
@@ -113,11 +112,10 @@ def comm_worker(rank, world_size, stage, accum):
             lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
             phases.append(("micro", engine.comm_log.snapshot()))
         engine.comm_log.reset()
-        engine.prepare_step(optimizer)
-        phases.append(("prepare", engine.comm_log.snapshot()))
-        engine.comm_log.reset()
-        optimizer.step()
-        engine.after_step(optimizer)
+        with engine.step_window(optimizer):
+            phases.append(("prepare", engine.comm_log.snapshot()))
+            engine.comm_log.reset()
+            optimizer.step()
         phases.append(("after", engine.comm_log.snapshot()))
     return phases
 
@@ -296,9 +294,7 @@ def mixed_precision_memory_worker(rank, world_size, stage):
         out[phase] = (memory_report(engine).total, _live_tensor_bytes() - before)
     out["stash_bytes"] = sum(f.grad_stash.untyped_storage().nbytes() for f in engine.flat_params
                              if f.grad_stash is not None)  # fmt: skip
-    engine.prepare_step(optimizer)
-    optimizer.step()
-    engine.after_step(optimizer)
+    engine.optimizer_step(optimizer)
     out["after_step"] = (memory_report(engine).total, _live_tensor_bytes() - before)
     return out
 

@@ -71,15 +71,14 @@ def zero_worker(rank, world_size, stage, opt_name, accum, steps, clip=None):
             loss = lm_loss(model, rank_slice(tokens, rank, world_size)) / accum
             loss.backward()
             losses.append(loss.item())
-        engine.prepare_step(optimizer)
-        if clip is not None:
-            kind, value, norm_type = clip
-            if kind == "norm":
-                norms.append(engine.clip_grad_norm_(optimizer, value, norm_type=norm_type).item())
-            else:
-                engine.clip_grad_value_(optimizer, value)
-        optimizer.step()
-        engine.after_step(optimizer)
+        with engine.step_window(optimizer):
+            if clip is not None:
+                kind, value, norm_type = clip
+                if kind == "norm":
+                    norms.append(engine.clip_grad_norm_(optimizer, value, norm_type=norm_type).item())
+                else:
+                    engine.clip_grad_value_(optimizer, value)
+            optimizer.step()
         with engine.gathered_parameters():
             states.append(clone_state(model))
     return states, losses, norms

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.gather_watch import DivergedGathersError
+from zero_strategy.core.transport.gather_watch import DivergedGathersError
 from zero_strategy.testing import run_ranks
 
 UNIT_CHOICES = {"separate": [], "one_unit": ["ModuleList"]}
@@ -45,7 +45,7 @@ def _zero_run(
     else:
         assert "experts.1" in [u.name for u in engine.units]
     train_moe(model, model, optimizer, rank, world_size,
-              (lambda: engine.prepare_step(optimizer), lambda: engine.after_step(optimizer)))
+              lambda: engine.optimizer_step(optimizer))
     with engine.gathered_parameters():
         return clone_state(model)
 
@@ -121,9 +121,7 @@ def _parameterless_root_run(rank: int, world_size: int) -> dict:
         forward_prefetches = list(prefetches)
         buffers_seen.append([float(block.scale) for block in model.blocks])
         loss.backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
     return {"units": [u.name for u in engine.units], "buffers": buffers_seen, "prefetched": forward_prefetches}
 
 
@@ -149,7 +147,7 @@ def _network_divergence_run(rank: int, world_size: int, collectives: str) -> str
     start = time.monotonic()
     try:
         train_moe(model, model, optimizer, rank, world_size,
-                  (lambda: engine.prepare_step(optimizer), lambda: engine.after_step(optimizer)))
+                  lambda: engine.optimizer_step(optimizer))
     except DivergedGathersError as error:
         return f"{time.monotonic() - start:.1f} {error}"
     return "trained"

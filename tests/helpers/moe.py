@@ -70,18 +70,14 @@ def train_moe(
     optimizer: torch.optim.Optimizer,
     rank: int,
     world_size: int,
-    step_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None,
+    step: Callable[[], None] | None = None,
 ) -> None:
     """One SGD/AdamW step per batch, each rank on its slice of the global batch with its own routing.
-    ``step_hooks``: (before the optimizer step, after it), the engine's prepare/after for ZeRO."""
-    for step, (x, y) in enumerate(moe_batches(len(ROUTES), 4 * world_size)):
-        inner.route = ROUTES[step][rank % 2]
+    ``step``: how to step (ZeRO: the engine's ``optimizer_step``); default ``optimizer.step()``."""
+    for index, (x, y) in enumerate(moe_batches(len(ROUTES), 4 * world_size)):
+        inner.route = ROUTES[index][rank % 2]
         per_rank = x.shape[0] // world_size
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        if step_hooks is not None:
-            step_hooks[0]()
-        optimizer.step()
-        if step_hooks is not None:
-            step_hooks[1]()
+        (step or optimizer.step)()

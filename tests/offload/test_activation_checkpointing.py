@@ -54,9 +54,7 @@ def train(rank: int, world: int, stage: int, checkpointing: bool) -> dict[str, t
     for step in data:
         opt.zero_grad()
         model(step[rank * 4 : (rank + 1) * 4]).pow(2).mean().backward()
-        engine.prepare_step(opt)
-        engine.step(opt)
-        engine.after_step(opt)
+        engine.optimizer_step(opt)
     engine.release()
     remove_activation_checkpointing(model)
     return {k: v.clone() for k, v in model.state_dict().items()}

@@ -44,9 +44,7 @@ def train(rank: int, world: int, stage: int, options: dict, optimizer: str) -> d
         opt.zero_grad()
         for micro in step:
             (model(micro[rank * per : (rank + 1) * per]).pow(2).mean() / 2).backward()
-        engine.prepare_step(opt)
-        engine.step(opt)
-        engine.after_step(opt)
+        engine.optimizer_step(opt)
     engine.release()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -119,9 +117,7 @@ def peak_training_rss(rank: int, world: int, options: dict) -> int:
     for _ in range(2):
         opt.zero_grad()
         model(x).pow(2).mean().backward()
-        engine.prepare_step(opt)
-        engine.step(opt)
-        engine.after_step(opt)
+        engine.optimizer_step(opt)
     peak = _vm("VmHWM") - baseline
     engine.release()
     return peak
@@ -177,9 +173,7 @@ def train_with_checkpoint(rank: int, world: int, options: dict, path: str, mode:
             save_sharded(engine, path, {"optimizer_states": []}, SaveInfo("32-true", {}, {}))
         opt.zero_grad()
         model(data[index][rank * 4 : (rank + 1) * 4]).pow(2).mean().backward()
-        engine.prepare_step(opt)
-        engine.step(opt)
-        engine.after_step(opt)
+        engine.optimizer_step(opt)
     engine.release()
     return {k: v.clone() for k, v in model.state_dict().items()}
 

@@ -24,7 +24,7 @@ class SlowReductions(Callback):
     exchange's handle sleeps first, as a slow network would keep it waiting."""
 
     def setup(self, trainer: Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from zero_strategy.core import point_to_point
+        from zero_strategy.core.transport import point_to_point
 
         original = point_to_point.reduce_scatter_sum
 

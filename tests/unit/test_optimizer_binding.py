@@ -61,9 +61,7 @@ def test_unlisted_optimizer_refused_unless_allowed(cls):
     for (tokens,) in make_batches(2, 1, 4):
         optimizer.zero_grad()
         lm_loss(model, tokens).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
         ref_opt.zero_grad()
         lm_loss(reference, tokens).backward()
         ref_opt.step()
@@ -111,9 +109,7 @@ def test_elementwise_optimizers_accepted_and_exact(name, stage):
     for (tokens,) in make_batches(3, 1, 4):
         optimizer.zero_grad()
         lm_loss(model, tokens).backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        engine.after_step(optimizer)
+        engine.optimizer_step(optimizer)
         ref_opt.zero_grad()
         lm_loss(reference, tokens).backward()
         ref_opt.step()

@@ -58,9 +58,7 @@ WITHOUT_LIGHTNING = textwrap.dedent(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
     model(torch.randn(4, 5)).square().mean().backward()
-    engine.prepare_step(optimizer)
-    optimizer.step()
-    engine.after_step(optimizer)
+    engine.optimizer_step(optimizer)
     out_dir = sys.argv[1]
     save_sharded(engine, f"{out_dir}/ck", {"global_step": 1}, SaveInfo("32-true", {}, {"torch": torch.__version__}))
     with engine.gathered_parameters():

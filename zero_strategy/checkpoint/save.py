@@ -33,9 +33,9 @@ from zero_strategy.checkpoint.format import (
 from zero_strategy.checkpoint.rng import capture_rng
 from zero_strategy.checkpoint.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.shard_content import collect_shard, encode_metadata
-from zero_strategy.core.collectives import all_gather_object, broadcast_object
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.optimizer import qualified_name
+from zero_strategy.core.transport.collectives import all_gather_object, broadcast_object
 
 
 @dataclass(frozen=True, slots=True)

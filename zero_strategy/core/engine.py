@@ -12,62 +12,52 @@ Global-norm clipping adds one scalar all-reduce.
 
 from __future__ import annotations
 
-import itertools
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.collectives import (
-    CommunicationLog,
-    ProcessGroup,
-    all_gather_object,
-    all_reduce_sum,
-    broadcast_flat,
-    prefers_point_to_point,
-)
-from zero_strategy.core.flat_param import DistContext, FlatParam
-from zero_strategy.core.gather_watch import GatherWatch
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core import gradients
+from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
-from zero_strategy.core.optimizer import (
-    carve_state,
-    check_optimizer,
-    install_zero_grad_hook,
-    param_group_index,
-    remove_zero_grad_hook,
-    repoint_param_groups,
-)
+from zero_strategy.core.optimizer import bind_optimizer, check_optimizer, param_group_index, remove_zero_grad_hook
 from zero_strategy.core.reduction_order import ReductionOrder
-from zero_strategy.core.sharding import UnitPlan, choose_unit_modules, plan_units
-from zero_strategy.core.shared_shards import SharedShards
+from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.transport.choice import (
+    Transport,
+    choose_gather_watch,
+    choose_shared_shards,
+    dist_context,
+    shared_memory_unavailable,
+)
+from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, broadcast_flat
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
 
-
-def _dist_context(group: ProcessGroup, collectives: str) -> DistContext:
-    if dist.is_available() and dist.is_initialized():
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
-        return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
-    return DistContext(None, 0, 1, 0)
-
-
 T = TypeVar("T")
-_watch_numbers = itertools.count()  # one store namespace per engine (engines are built in the same order everywhere)
 
 
 def _used_by_some_rank(flat: FlatParam) -> bool:
     return any(flat.grad_seen)
+
+
+class StepWindow:
+    """One optimizer step in progress (see :meth:`ZeroEngine.step_window`)."""
+
+    def __init__(self) -> None:
+        self.skipped = False
+
+    def skip(self) -> None:
+        """Leave the window without stepping: every rank drops this step's gradients."""
+        self.skipped = True
 
 
 class ZeroEngine:
@@ -88,7 +78,7 @@ class ZeroEngine:
         self.optimizers = list(optimizers)
         self.config = config
         self.stage = ZeroStage(config.stage)
-        self.ctx = _dist_context(group, config.collectives)
+        self.ctx = dist_context(group, config.collectives)
         self.comm_log = CommunicationLog()
         self._unused_saved: dict[int, Saved] = {}
         self._overflow_found: dict[int, bool] = {}  # optimizer index -> unscaled this step; did any rank overflow
@@ -98,7 +88,9 @@ class ZeroEngine:
         unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
         plans = plan_units(module, unit_paths)
         self.placement = make_placement(config, module, plans, self.ctx.rank)
-        self.shared = self._shared_shards(module, plans)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
+        self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
         options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared)
         try:
             self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
@@ -107,8 +99,9 @@ class ZeroEngine:
                 self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
             raise
         if self.shared is not None and not self.shared.connect():
-            self._shared_memory_unavailable(self.shared.failure or "")
-        self.watch = self._gather_watch()
+            shared_memory_unavailable(config, self.shared.failure or "")
+        self.watch = choose_gather_watch(self.ctx, self.stage.reshards_parameters, self.shared)
+        self.transport = Transport(self.ctx, self.comm_log, self.shared, self.watch)
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.label, flat.watch = unit.name or "<root>", self.watch
@@ -118,90 +111,19 @@ class ZeroEngine:
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
-        self.hooks.reduce_dtype = policy.reduce_dtype if policy else None
         self.hooks.install()
         if self.stage.reshards_parameters:
             for unit in self.units:
                 unit.reshard()
 
     # --------------------------------------------------------------------------------------------- set-up
-    def _shared_shards(self, module: nn.Module, plans: list[UnitPlan]) -> SharedShards | None:
-        """Shared-memory shards (see [Note: shared-memory gathers]) where asked for or, with "auto", where they
-        apply: stage 3, gloo, no offload, every rank on this host's CPU. Collective."""
-        choice = self.config.collectives
-        applies = (
-            self.stage.reshards_parameters
-            and self.placement is None
-            and self.ctx.world_size > 1
-            and choice in ("auto", "shared_memory")
-            and (choice == "shared_memory" or prefers_point_to_point(self.ctx.group))
-        )
-        if not applies:  # an explicit "shared_memory" off stage 3 or with offload is refused by ZeroConfig already
-            return None
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
-        if SharedShards.usable(self.ctx.group, device, model_bytes):
-            return SharedShards(self.ctx.group, self.ctx.rank, self.ctx.world_size, self.ctx.src_rank)
-        if choice == "shared_memory":
-            raise ZeroConfigError(
-                'collectives="shared_memory" needs every rank on one host, computing on its CPU, and room in '
-                f'/dev/shm for {model_bytes / 2**20:.0f} MiB of shards; use "auto" or "point_to_point".'
-            )
-        return None
-
-    def _shared_memory_unavailable(self, reason: str) -> None:
-        """Every rank gets here together (the failure was agreed in ``connect``); gathers use the network."""
-        if self.config.collectives == "shared_memory":
-            raise ZeroConfigError(
-                f'collectives="shared_memory": {reason}; free or enlarge /dev/shm (docker run --shm-size=...), or '
-                'use "auto" or "point_to_point".'
-            )
-        warnings.warn(f"ZeRO stage 3: shared-memory gathers unavailable ({reason}); using point-to-point gathers.",
-                      stacklevel=3)
-
-    def _gather_watch(self) -> GatherWatch | None:
-        """Stage 3 gathering through the network: watch for ranks that gather different units (see [Note:
-        diverging gathers] in gather_watch.py). Shared-memory gathers are local copies and need no watch."""
-        local = self.shared is not None and self.shared.connected
-        if not self.stage.reshards_parameters or local or self.ctx.world_size == 1:
-            return None
-        members = dist.get_process_group_ranks(self.ctx.group or dist.group.WORLD)  # groups share one store
-        key = f"{next(_watch_numbers)}/{'-'.join(map(str, members))}"
-        return GatherWatch(self.ctx.group, self.ctx.rank, self.ctx.world_size, key)
-
     def _collective(self, what: str, collective: Callable[[], T]) -> T:
-        """Run one of the engine's blocking collectives between gathers, watched where gathers are."""
-        return collective() if self.watch is None else self.watch.call(what, collective)
+        return self.transport.collective(what, collective)
 
     def _repoint_optimizers(self) -> None:
         for opt_index, optimizer in enumerate(self.optimizers):
-            existing = dict(optimizer.state)  # e.g. Adagrad's accumulators, created at construction
-            pieces_by_group: dict[int, list[nn.Parameter]] = {}
-            for flat in self._flat_params_of(opt_index):
-                for piece, group_index in zip(flat.master_pieces, flat.piece_group_index, strict=True):
-                    pieces_by_group.setdefault(group_index, []).append(piece)
-            repoint_param_groups(optimizer, pieces_by_group)
-            optimizer.state.clear()
-            if existing:
-                for flat in self._flat_params_of(opt_index):
-                    self._carry_state_over(optimizer, flat, existing)
-            install_zero_grad_hook(optimizer, partial(self._on_zero_grad, opt_index))
-
-    def _carry_state_over(self, optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
-        """Give each master piece the slices of the state its parameters already had."""
-        by_name = dict(zip(flat.names, flat.params, strict=True))
-        overlaps = flat.layout.overlaps(self.ctx.rank)
-        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
-            parts = [o for o in overlaps if offset <= o.shard_start < offset + piece.numel()]
-            carved = [carve_state(existing.get(by_name[o.name], {}), by_name[o.name], o.param_start, o.numel)
-                      for o in parts]
-            if not carved or not carved[0] or any(c.keys() != carved[0].keys() for c in carved):
-                continue  # no state yet, or parameters in different states: the optimizer starts this piece fresh
-            state = dict(carved[0])
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = torch.cat([c[key] for c in carved]).to(piece.device)
-            optimizer.state[piece] = state
+            flats = list(self._flat_params_of(opt_index))
+            bind_optimizer(optimizer, flats, self.ctx.rank, partial(self._on_zero_grad, opt_index))
 
     def _on_zero_grad(self, optimizer_index: int) -> None:
         """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
@@ -293,7 +215,7 @@ class ZeroEngine:
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
-            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype, force=at_boundary)
+            unit.start_reduce(index, force=at_boundary)
         for unit in self.units:
             unit.finish_reduce()
         # parameters that produced no gradient on any rank must not move
@@ -309,41 +231,22 @@ class ZeroEngine:
         gradients are reduced exactly once per step. Collective (every rank calls it at the same point)."""
         index = self.optimizer_index(optimizer)
         for unit in self.units:
-            unit.start_reduce(index, reduce_dtype=self.hooks.reduce_dtype)
+            unit.start_reduce(index)
         for unit in self.units:
             unit.finish_reduce()
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
-        """The norm of the full gradient across all ranks' slices (padding is in no piece, so excluded)."""
+        """The norm of the full gradient across all ranks' slices (see core/gradients.py). Collective."""
         self.reduce_pending(optimizer)
-        grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-            gathered = local.float().reshape(1)
-            if self.ctx.world_size > 1:
-                self.comm_log.record("all_reduce", gathered.element_size())
-                dist.all_reduce(gathered, op=dist.ReduceOp.MAX, group=self.ctx.group)
-            return gathered[0]
-        local = torch.zeros(1, dtype=torch.float64, device=device)
-        for grad in grads:
-            local += grad.double().abs().pow(norm_type).sum()
-        total = all_reduce_sum(local, self.ctx.group, self.comm_log)
-        return total[0].pow(1.0 / norm_type).float()
+        return gradients.global_grad_norm(self.master_params(optimizer), self.transport, norm_type)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        total = self.grad_norm(optimizer, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for param in self.master_params(optimizer):
-            if param.grad is not None:
-                param.grad.mul_(coefficient.to(param.grad.dtype))
-        return total
+        self.reduce_pending(optimizer)
+        return gradients.clip_by_global_norm(self.master_params(optimizer), self.transport, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         self.reduce_pending(optimizer)
-        for param in self.master_params(optimizer):
-            if param.grad is not None:
-                param.grad.clamp_(-clip_value, clip_value)
+        gradients.clip_by_value(self.master_params(optimizer), clip_value)
 
     def unscale_and_check_overflow(self, optimizer: Optimizer, inv_scale: float) -> bool:
         """Multiply the reduced gradients by ``inv_scale`` and tell whether any rank saw an inf/NaN (collective:
@@ -354,35 +257,45 @@ class ZeroEngine:
         start a new one. Clip after the last backward of a step: gradients reduced after the unscaling would stay
         scaled (as with torch's GradScaler.unscale_)."""
         index = self.optimizer_index(optimizer)
-        if index in self._overflow_found:
-            return self._overflow_found[index]
-        self.reduce_pending(optimizer)
-        grads = [p.grad for p in self.master_params(optimizer) if p.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
-        for grad in grads:
-            if inv_scale != 1.0:
-                grad.mul_(inv_scale)
-            found += (~torch.isfinite(grad)).any().float()
-        self._overflow_found[index] = bool(all_reduce_sum(found, self.ctx.group, self.comm_log).item() > 0)
+        if index not in self._overflow_found:
+            self.reduce_pending(optimizer)
+            pieces = self.master_params(optimizer)
+            self._overflow_found[index] = gradients.unscale_and_find_overflow(pieces, self.transport, inv_scale)
         return self._overflow_found[index]
 
     def first_nonfinite_param(self, optimizer: Optimizer) -> str | None:
         """The first parameter (in flat order, lowest rank first) whose reduced gradient is not finite. Collective."""
-        local: str | None = None
-        for flat in self._flat_params_of(self.optimizer_index(optimizer)):
-            for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
-                if local is None and piece.grad is not None and not bool(torch.isfinite(piece.grad).all()):
-                    bad = int((~torch.isfinite(piece.grad)).nonzero()[0].item()) + offset
-                    local = next(o.name for o in flat.layout.overlaps(self.ctx.rank)
-                                 if o.shard_start <= bad < o.shard_start + o.numel)
-        names = all_gather_object(local, self.ctx.group)
-        return next((name for name in names if name is not None), None)
+        flats = self._flat_params_of(self.optimizer_index(optimizer))
+        return gradients.first_nonfinite_parameter(flats, self.transport)
 
     def discard_grads(self, optimizer: Optimizer) -> None:
         """Drop all gradients of ``optimizer``'s parameters (a skipped step changes nothing)."""
         self._overflow_found.pop(self.optimizer_index(optimizer), None)
+        self._unused_saved.pop(self.optimizer_index(optimizer), None)
         for flat in self._flat_params_of(self.optimizer_index(optimizer)):
             flat.discard_grads()
+
+    @contextmanager
+    def step_window(self, optimizer: Optimizer) -> Iterator[StepWindow]:
+        """The one way through an optimizer step, in the order of the communication plan.
+
+        On entry the reduced gradients are on ``optimizer``'s master pieces (:meth:`prepare_step`). Inside, the
+        caller may unscale, clip and inspect them, then steps (:meth:`step`). On exit the updated slices reach the
+        module's parameters (:meth:`after_step`) — unless :meth:`StepWindow.skip` was called (an fp16 overflow):
+        then the gradients are dropped on every rank and nothing moves. An exception inside leaves the step
+        unfinished and propagates."""
+        self.prepare_step(optimizer)
+        window = StepWindow()
+        yield window
+        if window.skipped:
+            self.discard_grads(optimizer)
+        else:
+            self.after_step(optimizer)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """One whole optimizer step: ``with step_window(optimizer): step(optimizer)``."""
+        with self.step_window(optimizer):
+            return self.step(optimizer, **kwargs)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step the user's optimizer on the master slices (in chunks when they live in files; calling

@@ -19,19 +19,19 @@ from enum import Enum, auto
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.core.collectives import (
+from zero_strategy.core.layout import FlatLayout
+from zero_strategy.core.offload import Placement
+from zero_strategy.core.transport.choice import DistContext
+from zero_strategy.core.transport.collectives import (
     CommunicationLog,
     PendingGather,
     PendingReduce,
-    ProcessGroup,
     all_gather_flat,
     broadcast_flat,
     start_reduce_scatter_mean,
 )
-from zero_strategy.core.gather_watch import GatherWatch
-from zero_strategy.core.layout import FlatLayout
-from zero_strategy.core.offload import Placement
-from zero_strategy.core.shared_shards import SharedShards, gather_from_shards
+from zero_strategy.core.transport.gather_watch import GatherWatch
+from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
 
 
 class ShardState(Enum):
@@ -49,17 +49,7 @@ class FlatOptions:
     compute_dtype: torch.dtype | None = None  # dtype of `full` (what forward sees); None: the parameters' own
     placement: Placement | None = None  # offload: where the shard lives; None: next to `full`
     shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
-
-
-@dataclass(frozen=True, slots=True)
-class DistContext:
-    """Where a FlatParam lives: its process group, this rank and the world size."""
-
-    group: ProcessGroup
-    rank: int
-    world_size: int
-    src_rank: int  # global rank whose initial values every rank adopts (DDP broadcasts rank 0's too)
-    point_to_point: bool = False  # all-gather / reduce-scatter as point-to-point exchanges (gloo: faster)
+    reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: the compute dtype
 
 
 class FlatParam:
@@ -101,6 +91,7 @@ class FlatParam:
         self._pending_reduce: PendingReduce | None = None
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
+        self.reduce_dtype = options.reduce_dtype
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
@@ -287,15 +278,15 @@ class FlatParam:
         for piece in self.master_pieces:
             piece.grad = None
 
-    def reduce_grads(self, reduce_dtype: torch.dtype | None = None) -> None:
+    def reduce_grads(self) -> None:
         """Reduce-scatter the module's gradients and accumulate this rank's slice into the master pieces' grads.
 
         The module's ``.grad`` tensors are released afterwards: the slice is now the only copy.
         """
-        self.start_reduce(reduce_dtype)
+        self.start_reduce()
         self.finish_reduce()
 
-    def start_reduce(self, reduce_dtype: torch.dtype | None = None, force: bool = False) -> None:
+    def start_reduce(self, force: bool = False) -> None:
         """Flatten the module's gradients (releasing them) and start reduce-scattering them; :meth:`finish_reduce`
         adds the result to the master pieces' grads. One reduction per FlatParam is in flight at a time.
 
@@ -304,7 +295,7 @@ class FlatParam:
         if not (self.has_pending_grads() or (force and self.trainable)):
             return
         self.finish_reduce()
-        flat = self._flatten_grads(reduce_dtype or self.full.dtype)
+        flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
         self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
         watch = self.watch
         if watch is not None:

@@ -92,7 +92,6 @@ class RuntimeHooks:
         self.prefetch = prefetch
         self.on_root_forward = on_root_forward
         self.reduction_order = reduction_order
-        self.reduce_dtype: torch.dtype | None = None
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
         self.backward_order: list[ZeroUnit] = []  # recorded during the first backward (see [Note: prefetch])
@@ -234,7 +233,7 @@ class RuntimeHooks:
         in flight to two units (see [Note: overlapped reduction])."""
         if self._reducing is not None:
             self._reducing.finish_reduce()
-        unit.start_reduce(reduce_dtype=self.reduce_dtype, force=FlatParam.requires_grad_now)
+        unit.start_reduce(force=FlatParam.requires_grad_now)
         self._reducing = unit
 
     def _queue_final_callback(self) -> None:

@@ -14,8 +14,11 @@ from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from zero_strategy.core.flat_param import FlatParam
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
@@ -139,3 +142,38 @@ def remove_zero_grad_hook(optimizer: Optimizer) -> None:
     _ZERO_GRAD_CALLBACKS.pop(optimizer, None)
     if _installed_zero_grad(optimizer):
         del optimizer.zero_grad
+
+
+def bind_optimizer(
+    optimizer: Optimizer, flats: list[FlatParam], rank: int, on_zero_grad: Callable[[], None]
+) -> None:
+    """Make ``optimizer`` step the master pieces of ``flats`` (the FlatParams of its parameters) instead of the
+    module's parameters, carrying over any state it already holds (Adagrad creates some at construction)."""
+    existing = dict(optimizer.state)
+    pieces_by_group: dict[int, list[nn.Parameter]] = {}
+    for flat in flats:
+        for piece, group_index in zip(flat.master_pieces, flat.piece_group_index, strict=True):
+            pieces_by_group.setdefault(group_index, []).append(piece)
+    repoint_param_groups(optimizer, pieces_by_group)
+    optimizer.state.clear()
+    if existing:
+        for flat in flats:
+            _carry_state_over(optimizer, flat, existing, rank)
+    install_zero_grad_hook(optimizer, on_zero_grad)
+
+
+def _carry_state_over(optimizer: Optimizer, flat: FlatParam, existing: dict, rank: int) -> None:
+    """Give each master piece the slices of the state its parameters already had."""
+    by_name = dict(zip(flat.names, flat.params, strict=True))
+    overlaps = flat.layout.overlaps(rank)
+    for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+        parts = [o for o in overlaps if offset <= o.shard_start < offset + piece.numel()]
+        carved = [carve_state(existing.get(by_name[o.name], {}), by_name[o.name], o.param_start, o.numel)
+                  for o in parts]
+        if not carved or not carved[0] or any(c.keys() != carved[0].keys() for c in carved):
+            continue  # no state yet, or parameters in different states: the optimizer starts this piece fresh
+        state = dict(carved[0])
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                state[key] = torch.cat([c[key] for c in carved]).to(piece.device)
+        optimizer.state[piece] = state

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zero_strategy.core.collectives import ProcessGroup, broadcast_object
+from zero_strategy.core.transport.collectives import ProcessGroup, broadcast_object
 from zero_strategy.core.unit import ZeroUnit
 
 

@@ -9,12 +9,13 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
-from zero_strategy.core.collectives import CommunicationLog
-from zero_strategy.core.flat_param import DistContext, FlatOptions, FlatParam
+from zero_strategy.core.flat_param import FlatOptions, FlatParam
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.sharding import UnitPlan
-from zero_strategy.core.shared_shards import SharedShards
+from zero_strategy.core.transport.choice import DistContext
+from zero_strategy.core.transport.collectives import CommunicationLog
+from zero_strategy.core.transport.shared_shards import SharedShards
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ class ZeroUnit:
             else:
                 named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
-            flat_options = FlatOptions(options.keeps_full, compute, options.placement, options.shared)
+            reduce_dtype = policy.reduce_dtype if policy else None
+            flat_options = FlatOptions(options.keeps_full, compute, options.placement, options.shared, reduce_dtype)
             self.flat_params.append(FlatParam(named, group_of, ctx, log, flat_options))
             self.optimizer_index.append(opt_index)
         self.has_frozen = any(not fp.trainable for fp in self.flat_params)
@@ -94,22 +96,21 @@ class ZeroUnit:
         for flat in self.flat_params:
             flat.reshard()
 
-    def reduce_grads(self, optimizer_index: int | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+    def reduce_grads(self, optimizer_index: int | None = None) -> None:
         """Reduce-scatter pending gradients (of one optimizer's FlatParams, or all) and wait for the result."""
-        self.start_reduce(optimizer_index, reduce_dtype)
+        self.start_reduce(optimizer_index)
         self.finish_reduce()
 
     def start_reduce(
         self,
         optimizer_index: int | None = None,
-        reduce_dtype: torch.dtype | None = None,
         force: Callable[[FlatParam], bool] | None = None,
     ) -> None:
         """Start reduce-scattering pending gradients; :meth:`finish_reduce` waits and accumulates them.
         ``force(flat)`` True: reduce that FlatParam even without a local gradient (a peer may have one)."""
         for flat, index in zip(self.flat_params, self.optimizer_index, strict=True):
             if flat.trainable and (optimizer_index is None or index == optimizer_index):
-                flat.start_reduce(reduce_dtype, force=force is not None and force(flat))
+                flat.start_reduce(force=force is not None and force(flat))
 
     def finish_reduce(self) -> None:
         for flat in self.flat_params:

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from zero_strategy.core.collectives import CommunicationLog, ProcessGroup, all_reduce_max
 from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, all_reduce_max
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
 

@@ -120,13 +120,13 @@ class ZeroPrecision(Precision):
     ) -> Any:
         assert isinstance(optimizer, Optimizer)
         closure_result = closure()
-        self.engine.prepare_step(optimizer)
-        if self.scaler is not None and self._skip_on_overflow(optimizer, model):
-            return closure_result
-        if isinstance(model, LightningModule):
-            self._after_closure(model, optimizer)
-        result = self.engine.step(optimizer, **kwargs)
-        self.engine.after_step(optimizer)
+        with self.engine.step_window(optimizer) as window:
+            if self.scaler is not None and self._skip_on_overflow(optimizer, model):
+                window.skip()  # the window drops the gradients on every rank: nothing moves
+                return closure_result
+            if isinstance(model, LightningModule):
+                self._after_closure(model, optimizer)
+            result = self.engine.step(optimizer, **kwargs)
         self._skipped_last[id(optimizer)] = False
         return closure_result if result is None else result
 
@@ -146,7 +146,6 @@ class ZeroPrecision(Precision):
                     "cannot continue in fp16: use precision='bf16-mixed' (same exponent range as fp32), lower the "
                     "learning rate, or lower min_loss_scale."
                 )
-            self.engine.discard_grads(optimizer)
             self._skipped_last[id(optimizer)] = True
         self.scaler.update(overflow)
         self._log_scaler(model)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_strategy.core.collectives import ProcessGroup, all_gather_object, broadcast_object
+from zero_strategy.core.transport.collectives import ProcessGroup, all_gather_object, broadcast_object
 
 SHM_DIR = "/dev/shm"
 

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from zero_strategy.core.collectives import CommunicationLog, ProcessGroup, Waitable, all_reduce_max
+from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, Waitable, all_reduce_max
 
 PATIENCE_S = 5.0
 """A wait longer than this consults the peers: long enough that a healthy step never reaches it on a loaded CI
@@ -121,6 +121,9 @@ class GatherWatch:
             except BaseException as error:  # handed to the waiting caller
                 outcome.append(error)
             done.set()
+            # Drop this thread's references while it waits for the next job: the last result (a tensor the
+            # caller has already taken) would otherwise stay alive until then.
+            del job, outcome, done
 
     # --------------------------------------------------------------------------------------- when stuck
     def _while_stuck(self, done: threading.Event, waiting: tuple[str, int, str]) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_strategy.core import point_to_point as point_to_point_exchange
+from zero_strategy.core.transport import point_to_point as point_to_point_exchange
 
 ProcessGroup = dist.ProcessGroup | None
 
