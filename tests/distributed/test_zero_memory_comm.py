@@ -269,6 +269,7 @@ def _live_tensor_bytes() -> int:
     nothing the engine holds can hide from it), each storage counted once."""
     import gc
 
+    gc.collect()  # tensors only kept alive by reference cycles are garbage, not held
     tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     return StorageTally().bytes_of(tensors)
 

@@ -112,9 +112,8 @@ class ZeroEngine:
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
         self.hooks.install()
-        if self.stage.reshards_parameters:
-            for unit in self.units:
-                unit.reshard()
+        for unit in self.units:
+            unit.release_gathered()
 
     # --------------------------------------------------------------------------------------------- set-up
     def _collective(self, what: str, collective: Callable[[], T]) -> T:
@@ -153,11 +152,8 @@ class ZeroEngine:
 
     def after_load(self) -> None:
         """Shards were overwritten (checkpoint load): make the module's parameters reflect them again."""
-        for flat in self.flat_params:
-            if self.stage.reshards_parameters:
-                flat.reshard()
-            else:
-                flat.refresh_full_from_shards()
+        for finish in [flat.start_publish_shard() for flat in self.flat_params]:
+            finish()
         if self.shared is not None:
             self.shared.after_writes()
 
@@ -315,10 +311,7 @@ class ZeroEngine:
         for flat in self._flat_params_of(index):
             flat.grad_seen = [False] * len(flat.params)
             flat.refresh_device_source()
-            if self.stage.reshards_parameters:
-                flat.reshard()
-            else:  # every unit's gather is posted before the first wait, so they overlap
-                refreshing.append(flat.start_refresh_full_from_shards())
+            refreshing.append(flat.start_publish_shard())  # all gathers are posted before the first wait
         for finish in refreshing:
             finish()
         if self.shared is not None:
@@ -333,9 +326,8 @@ class ZeroEngine:
         try:
             yield
         finally:
-            if self.stage.reshards_parameters:
-                for unit in self.units:
-                    unit.reshard()
+            for unit in self.units:
+                unit.release_gathered()
 
     def release(self) -> None:
         """Undo the sharding: remove hooks and give the module standalone, up-to-date full parameters."""

@@ -92,6 +92,7 @@ class FlatParam:
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self.reduce_dtype = options.reduce_dtype
+        self.keeps_full = options.keeps_full
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
@@ -216,6 +217,20 @@ class FlatParam:
             return
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
+
+    def start_publish_shard(self) -> Callable[[], None]:
+        """The shard changed (an optimizer step, a checkpoint load): make the module see the new values. Stage 3
+        drops any gathered copy (the next forward gathers the new values); stages 1/2 start re-gathering
+        ``full``. Returns the function that waits for it."""
+        if self.keeps_full:
+            return self.start_refresh_full_from_shards()
+        self.reshard()
+        return lambda: None
+
+    def release_gathered(self) -> None:
+        """Free ``full`` where this FlatParam does not keep it (stage 3); stages 1/2 always keep it."""
+        if not self.keeps_full:
+            self.reshard()
 
     def refresh_full_from_shards(self) -> None:
         """Stage 1/2: after an optimizer step, rebuild the (always allocated) ``full`` from the updated shards."""

@@ -96,6 +96,11 @@ class ZeroUnit:
         for flat in self.flat_params:
             flat.reshard()
 
+    def release_gathered(self) -> None:
+        """Free the gathered parameters unless the stage keeps them (see FlatParam.release_gathered)."""
+        for flat in self.flat_params:
+            flat.release_gathered()
+
     def reduce_grads(self, optimizer_index: int | None = None) -> None:
         """Reduce-scatter pending gradients (of one optimizer's FlatParams, or all) and wait for the result."""
         self.start_reduce(optimizer_index)

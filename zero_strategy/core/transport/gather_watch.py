@@ -120,10 +120,10 @@ class GatherWatch:
                 outcome += [None, job()]
             except BaseException as error:  # handed to the waiting caller
                 outcome.append(error)
+            # Drop the job (and what its closure holds, e.g. the tensor a collective filled) before the caller
+            # wakes: otherwise it would stay alive in this thread until the next job arrives.
+            del job, outcome
             done.set()
-            # Drop this thread's references while it waits for the next job: the last result (a tensor the
-            # caller has already taken) would otherwise stay alive until then.
-            del job, outcome, done
 
     # --------------------------------------------------------------------------------------- when stuck
     def _while_stuck(self, done: threading.Event, waiting: tuple[str, int, str]) -> None:
