@@ -10,6 +10,7 @@ from zero_strategy._requirements import check_torch
 check_torch()  # before anything else: an old torch fails here with a message naming the need
 
 from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
+from zero_strategy.checkpoint.pretrained import load_pretrained  # noqa: E402
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
 from zero_strategy.core.engine import ZeroEngine  # noqa: E402
 from zero_strategy.core.memory import MemoryReport  # noqa: E402
@@ -27,6 +28,7 @@ __all__ = [
     "ZeroStage",
     "__version__",
     "consolidate",
+    "load_pretrained",
 ]
 
 try:  # the Lightning adapters; the core and the checkpoint tools work without Lightning installed

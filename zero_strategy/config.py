@@ -6,6 +6,7 @@ Enums rather than ``Literal`` because OmegaConf rejects ``Literal`` in structure
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -93,6 +94,16 @@ class ZeroConfig:
     cpu_checkpointing: bool = False
     """With activation checkpointing on a GPU, keep the checkpointed inputs in host memory."""
 
+    pretrained: str | None = None
+    """Weights to start from, loaded shard by shard when the model is sharded (each rank reads only the element
+    ranges it keeps): a ``.safetensors`` file, a Hugging Face checkpoint (directory or ``*.index.json``), a
+    zero_strategy checkpoint or consolidated file, or a torch ``.pt``/``.bin``/``.ckpt`` (memory-mapped,
+    ``weights_only``). Keys must match the LightningModule's ``state_dict``; for renaming keys or loading into a
+    submodule use ``zero_strategy.load_pretrained`` in ``configure_model``."""
+
+    pretrained_strict: bool = True
+    """With ``pretrained``: missing and unexpected keys are an error (False: load what matches, e.g. a new head)."""
+
     def __post_init__(self) -> None:
         if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
@@ -116,6 +127,9 @@ class ZeroConfig:
                 'collectives="shared_memory" applies to stage 3 without offload only (shared memory holds the '
                 'parameter shards that stage 3 gathers); use "auto" or "point_to_point".'
             )
+        if self.pretrained is not None and not os.path.exists(self.pretrained):
+            raise ZeroConfigError(f"pretrained={self.pretrained!r} does not exist; give the path of the weights file "
+                                  "or checkpoint directory to start from.")
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."

@@ -13,7 +13,10 @@ Importable without Lightning, like the rest of this folder.
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -200,3 +203,43 @@ def _copy_into(source: PretrainedSource, name: str, target: Tensor) -> None:
     for start in range(0, numel, chunk):
         count = min(chunk, numel - start)
         flat[start : start + count].copy_(source.read(name, start, count, dtype=target.dtype))
+
+
+# ------------------------------------------------------------------------------------------ the public call
+@dataclass(frozen=True, slots=True)
+class PendingLoad:
+    """A ``load_pretrained`` on a module that has no values yet (meta-built): done when ZeRO shards it."""
+
+    path: str
+    strict: bool
+    key_map: KeyMap
+
+
+_PENDING: weakref.WeakKeyDictionary[nn.Module, PendingLoad] = weakref.WeakKeyDictionary()
+
+
+def load_pretrained(
+    module: nn.Module, path: str | os.PathLike, strict: bool = True, key_map: KeyMap = None
+) -> KeyMatch | None:
+    """Load pretrained weights into ``module`` (keys relative to it; ``key_map`` renames the file's keys).
+
+    Called in ``configure_model`` on a module built there (meta tensors under a ZeRO strategy), it checks the
+    keys now — one error listing every missing, unexpected and shape-mismatched key — and the ZeRO strategy
+    loads the weights when it shards the model, each rank reading only the element ranges it keeps (returns
+    None). On an ordinary module it copies the weights tensor by tensor (returns the match)."""
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return load_pretrained_into_module(module, path, strict, key_map)
+    with open_pretrained(path, key_map) as source:  # fail now, not at setup, on a bad file or bad keys
+        match_keys(source, expected_shapes(module), strict, alias_groups(module), where=str(source.path))
+    _PENDING[module] = PendingLoad(str(path), strict, key_map)
+    return None
+
+
+def pending_loads(root: nn.Module) -> list[tuple[str, PendingLoad]]:
+    """(qualified name under ``root``, pending load) for ``root`` and each submodule with one, outermost first."""
+    return [(name, _PENDING[sub]) for name, sub in root.named_modules() if sub in _PENDING]
+
+
+def forget_pending(root: nn.Module) -> None:
+    for _, sub in root.named_modules():
+        _PENDING.pop(sub, None)

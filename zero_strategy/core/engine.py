@@ -25,6 +25,13 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.core import gradients
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
+from zero_strategy.core.materialize import (
+    InitialValues,
+    check_materializable,
+    load_pretrained,
+    plan_replay,
+    replay_construction,
+)
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
 from zero_strategy.core.optimizer import bind_optimizer, check_optimizer, param_group_index, remove_zero_grad_hook
@@ -71,9 +78,13 @@ class ZeroEngine:
         group: ProcessGroup = None,
         entry_module: nn.Module | None = None,
         policy: MixedPrecisionPolicy | None = None,
+        *,
+        initial_values: InitialValues | None = None,
     ) -> None:
         """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``.
-        ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype."""
+        ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype.
+        ``initial_values``: how a meta-built module gets its values, and pretrained weights to load (see
+        [Note: sharded construction] in materialize.py)."""
         self.module = module
         self.optimizers = list(optimizers)
         self.config = config
@@ -84,27 +95,22 @@ class ZeroEngine:
         self._overflow_found: dict[int, bool] = {}  # optimizer index -> unscaled this step; did any rank overflow
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
-        owner = param_group_index(self.optimizers)
-        unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
-        plans = plan_units(module, unit_paths)
-        self.placement = make_placement(config, module, plans, self.ctx.rank)
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
-        self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
-        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared)
-        try:
-            self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
-        except BaseException:
-            if self.shared is not None:
-                self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
-            raise
-        if self.shared is not None and not self.shared.connect():
-            shared_memory_unavailable(config, self.shared.failure or "")
+        materialize_on = check_materializable(module, initial_values)
+        # planned while the tensors are still meta: building the FlatParams gives them storage
+        recording = initial_values.recording if initial_values is not None else None
+        replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
+        self._build_units(module, policy, materialize_on)
         self.watch = choose_gather_watch(self.ctx, self.stage.reshards_parameters, self.shared)
         self.transport = Transport(self.ctx, self.comm_log, self.shared, self.watch)
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.label, flat.watch = unit.name or "<root>", self.watch
+        self.replay_stats = replay_construction(module, self.flat_params, replay, self.transport) if replay else None
+        if initial_values is not None and initial_values.pretrained is not None:
+            load_pretrained(module, self.flat_params, initial_values.pretrained, self.ctx.rank)
+            self.after_load()
+        elif replay is not None and self.shared is not None:
+            self.shared.after_writes()  # the replayed shards are complete before any peer gathers them
         self._sync_buffers()
         self._repoint_optimizers()
         order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank, self._collective)
@@ -116,6 +122,29 @@ class ZeroEngine:
             unit.release_gathered()
 
     # --------------------------------------------------------------------------------------------- set-up
+    def _build_units(
+        self, module: nn.Module, policy: MixedPrecisionPolicy | None, meta_to: torch.device | None
+    ) -> None:
+        """Plan the units from the module's shapes and give each its FlatParams (``meta_to``: where meta
+        parameters get storage; None when the module is already real)."""
+        config = self.config
+        owner = param_group_index(self.optimizers)
+        unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
+        plans = plan_units(module, unit_paths)
+        device = meta_to or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.placement = make_placement(config, device, plans, self.ctx.rank)
+        model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
+        self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
+        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared, meta_to)
+        try:
+            self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
+        except BaseException:
+            if self.shared is not None:
+                self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
+            raise
+        if self.shared is not None and not self.shared.connect():
+            shared_memory_unavailable(config, self.shared.failure or "")
+
     def _collective(self, what: str, collective: Callable[[], T]) -> T:
         return self.transport.collective(what, collective)
 

@@ -50,6 +50,7 @@ class FlatOptions:
     placement: Placement | None = None  # offload: where the shard lives; None: next to `full`
     shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: the compute dtype
+    materialize_device: torch.device | None = None  # meta parameters: where their storage is made
 
 
 class FlatParam:
@@ -102,12 +103,18 @@ class FlatParam:
     def _build_buffers(self, options: FlatOptions) -> None:
         first = self.params[0]
         compute_dtype = options.compute_dtype or first.dtype
+        deferred = first.is_meta  # see [Note: sharded construction] in materialize.py
+        device = (options.materialize_device or torch.device("cpu")) if deferred else first.device
         with torch.no_grad():
             # Built in the parameters' own dtype (fp32): the shard keeps full precision (the master weights).
-            full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
-            for span, param in zip(self.layout.spans, self.params, strict=True):
-                full[span.offset : span.end].copy_(param.detach().reshape(-1))
-            broadcast_flat(full, self.ctx.src_rank, self.ctx.group, self.log)
+            if deferred:  # values arrive later (write_initial_value): stage 3 never holds this unit whole here
+                full = torch.zeros(self.layout.padded_numel if options.keeps_full else 0, dtype=first.dtype,
+                                   device=device)  # fmt: skip
+            else:
+                full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=device)
+                for span, param in zip(self.layout.spans, self.params, strict=True):
+                    full[span.offset : span.end].copy_(param.detach().reshape(-1))
+                broadcast_flat(full, self.ctx.src_rank, self.ctx.group, self.log)
             start, end = self.layout.shard_range(self.ctx.rank)
             # The shard may alias its own segment of `full` when `full` is never freed (stages 1/2) and has the
             # same dtype: that saves a copy of 1/N of the model. Otherwise the shard owns its memory.
@@ -116,16 +123,20 @@ class FlatParam:
             self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype and placement is None
             self._shared: SharedShards | None = None
             self._shared_key = -1
+            initial = full[start:end] if full.numel() else torch.zeros(end - start, dtype=first.dtype, device=device)
             if placement is not None:  # offloaded: the shard lives in host memory or a file
                 self.shard = placement.shard_buffer(f"shard-{id(self)}", end - start, first.dtype)
-                self.shard.copy_(full[start:end])
+                self.shard.copy_(initial)
             elif options.shared is not None and not options.keeps_full:  # see [Note: shared-memory gathers]
                 self._shared = options.shared
                 self.shard, self._shared_key = options.shared.allocate(end - start, first.dtype)
-                self.shard.copy_(full[start:end])
+                self.shard.copy_(initial)
             else:
-                self.shard = full[start:end] if self.shard_aliases_full else full[start:end].clone()
-            if compute_dtype != first.dtype:
+                self.shard = initial if self.shard_aliases_full or not full.numel() else initial.clone()
+            if not full.numel():  # deferred stage 3: the views need a buffer of the full size; its pages are never
+                # touched (torch.empty), and its storage is freed as soon as the views exist (below)
+                full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            elif compute_dtype != first.dtype:
                 full = full.to(compute_dtype)
         self.full = full
         # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
@@ -139,7 +150,36 @@ class FlatParam:
         ):
             self._device_source = self.shard.to(device=full.device, dtype=full.dtype)
         for span, param in zip(self.layout.spans, self.params, strict=True):
-            param.data = full[span.offset : span.end].view(span.shape)
+            view = full[span.offset : span.end].view(span.shape)
+            if param.is_meta:  # `.data` of a meta parameter cannot point at real storage: make it real first
+                placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
+                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+            param.data = view  # its own version counter (see [Note: views into one flat buffer])
+        if deferred and not options.keeps_full:
+            self.reshard()
+
+    def write_initial_value(self, index: int, value: Tensor) -> None:
+        """Deferred construction: parameter ``index``'s whole initial value. This rank keeps its part of the
+        shard, and at stages 1/2 the full value (every rank replays the same values, so nothing is gathered)."""
+        flat_value = value.detach().reshape(-1)
+        span = self.layout.spans[index]
+        with torch.no_grad():
+            if self.keeps_full:
+                self.full[span.offset : span.end].copy_(flat_value)
+            if not self.shard_aliases_full:
+                start, end = self.layout.shard_range(self.ctx.rank)
+                lo, hi = max(span.offset, start), min(span.end, end)
+                if lo < hi:
+                    self.shard[lo - start : hi - start].copy_(flat_value[lo - span.offset : hi - span.offset])
+
+    def write_shard_range(self, index: int, param_start: int, values: Tensor) -> None:
+        """Elements ``[param_start, param_start + len(values))`` of parameter ``index``, which must lie in this
+        rank's shard, into the shard (pretrained loading; publish the shard afterwards)."""
+        span = self.layout.spans[index]
+        start, _ = self.layout.shard_range(self.ctx.rank)
+        offset = span.offset + param_start - start
+        with torch.no_grad():
+            self.shard[offset : offset + values.numel()].copy_(values)
 
     def _carve_master_pieces(
         self, group_index_of: dict[int, int]

@@ -198,11 +198,11 @@ def _store_chunk_state(
 
 
 
-def make_placement(config: ZeroConfig, module: nn.Module, plans: list[UnitPlan], rank: int) -> Placement | None:
-    """The offload placement for this run, or None; checks the nvme path's space before anything is written."""
+def make_placement(config: ZeroConfig, device: torch.device, plans: list[UnitPlan], rank: int) -> Placement | None:
+    """The offload placement for this run (``device``: where the module computes), or None; checks the nvme
+    path's space before anything is written."""
     if config.offload_optimizer is OffloadDevice.none and config.offload_param is OffloadDevice.none:
         return None
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     store = None
     if OffloadDevice.nvme in (config.offload_optimizer, config.offload_param):
         assert config.nvme_path is not None

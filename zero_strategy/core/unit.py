@@ -26,6 +26,7 @@ class UnitOptions:
     policy: MixedPrecisionPolicy | None  # mixed precision, or None
     placement: Placement | None  # offload, or None
     shared: SharedShards | None = None  # stage 3 on one host's CPU ranks: shards in shared memory
+    materialize_device: torch.device | None = None  # meta parameters get storage there
 
 
 class TrainingState(Enum):
@@ -73,7 +74,9 @@ class ZeroUnit:
                 named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
             reduce_dtype = policy.reduce_dtype if policy else None
-            flat_options = FlatOptions(options.keeps_full, compute, options.placement, options.shared, reduce_dtype)
+            flat_options = FlatOptions(
+                options.keeps_full, compute, options.placement, options.shared, reduce_dtype, options.materialize_device
+            )
             self.flat_params.append(FlatParam(named, group_of, ctx, log, flat_options))
             self.optimizer_index.append(opt_index)
         self.has_frozen = any(not fp.trainable for fp in self.flat_params)

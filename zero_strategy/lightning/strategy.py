@@ -3,12 +3,13 @@ except Lightning's own object broadcast/barrier plumbing."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,8 @@ from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import to_zero_precision
 from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.profiler import CommunicationProfiler
+from zero_strategy.lightning.rank_exit import report_rank_finished
+from zero_strategy.lightning.sharded_init import ConstructionRecorder, initial_values
 from zero_strategy.names import STRATEGY_NAMES
 
 
@@ -120,6 +123,8 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._engine: ZeroEngine | None = None
+        self._recorder = ConstructionRecorder()
+        self._pretrained_loaded = False
         # the last fit's released engine: its master slices and optimizer state serve a save after fit
         self._fit_engine: ZeroEngine | None = None
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
@@ -244,7 +249,12 @@ class ZeroStrategy(ParallelStrategy):
         trainer = module.trainer
         # Only a fit steps optimizers; validate/test/predict after a fit must not re-bind the fit's optimizers.
         optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
-        self._engine = ZeroEngine(module, optimizers, self.config, None, entry, self.precision_plugin.policy())
+        recording = self._recorder.take()
+        config = self.config if not self._pretrained_loaded else replace(self.config, pretrained=None)
+        with initial_values(module, recording, config, self.root_device) as values:
+            policy = self.precision_plugin.policy()
+            self._engine = ZeroEngine(module, optimizers, self.config, None, entry, policy, initial_values=values)
+        self._pretrained_loaded = True  # a later test()/validate() on this Trainer keeps the trained weights
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
@@ -276,7 +286,28 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if any(t.is_meta for t in itertools.chain(self.model.parameters(), self.model.buffers())):
+            return  # built on the meta device: the engine gives each unit its storage on root_device
         self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: build on the meta device, recording the construction (see
+        [Note: sharded construction] in core/materialize.py); otherwise Lightning's default."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self._recorder.recording_on(self.root_device), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()``: the model is built on the meta device and materialized unit by unit."""
+        with self._recorder.recording_on(self.root_device):
+            yield
 
     @override
     def teardown(self) -> None:
@@ -300,7 +331,7 @@ class ZeroStrategy(ParallelStrategy):
             # ("terminate called without an active exception") after its work was done.
             dist.barrier()
             dist.destroy_process_group()
-            _report_rank_finished(self.local_rank)
+            report_rank_finished(self.local_rank)
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
@@ -466,15 +497,3 @@ class ZeroStrategy(ParallelStrategy):
 
 def _zero_grad_of(optimizer: Optimizer, set_to_none: bool = True) -> None:
     optimizer.zero_grad(set_to_none=set_to_none)
-
-
-RANK_FINISHED_DIR_ENV = "ZERO_STRATEGY_RANK_FINISHED_DIR"
-
-
-def _report_rank_finished(local_rank: int) -> None:
-    """Tell a launching harness that this spawned rank's work is done: with ``$ZERO_STRATEGY_RANK_FINISHED_DIR``
-    set, write ``rank<local rank>.finished`` there. A harness can then tell a rank killed at interpreter exit
-    (worth a retry) from one that died while training (a failure); this project's test suite does."""
-    directory = os.environ.get(RANK_FINISHED_DIR_ENV)
-    if directory:
-        (Path(directory) / f"rank{local_rank}.finished").touch()
