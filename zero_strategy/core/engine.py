@@ -39,8 +39,10 @@ from zero_strategy.core.offload import chunked_step, make_placement
 from zero_strategy.core.optimizer import (
     carve_state,
     check_optimizer,
+    install_fused_steps,
     install_zero_grad_hook,
     param_group_index,
+    remove_fused_steps,
     remove_zero_grad_hook,
     repoint_param_groups,
 )
@@ -156,6 +158,7 @@ class ZeroEngine:
                 for flat in self._flat_params_of(opt_index):
                     self._carry_state_over(optimizer, flat, existing)
             install_zero_grad_hook(optimizer, partial(self._on_zero_grad, opt_index))
+            install_fused_steps(optimizer, self.config.fused_optimizer)
 
     def _carry_state_over(self, optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
         """Give each master piece the slices of the state its parameters already had."""
@@ -392,6 +395,7 @@ class ZeroEngine:
         self.hooks.remove()
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
+            remove_fused_steps(optimizer)
         for flat in self.flat_params:
             for param in flat.params:
                 param.grad = None
