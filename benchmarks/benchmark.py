@@ -233,9 +233,8 @@ def run_benchmark(options: BenchOptions) -> list[MethodResult]:
             result = results[method]
             if result.failure is not None:
                 continue
-            world = 1 if method == FLOOR else options.world_size  # the floor: one process, the same per-rank batch
             try:
-                ranks = run_ranks(rank_worker, world, method, options, timeout_s=900, pg_timeout_s=300)
+                ranks = run_ranks(rank_worker, options.world_size, method, options, timeout_s=900, pg_timeout_s=300)
             except Exception as error:  # reported in the method's row, the other methods still run
                 result.failure = _failure_reason(error)
                 print(f"[rep {rep}] {method}: failed: {result.failure}", file=sys.stderr, flush=True)
@@ -293,7 +292,7 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
         traffic = ", ".join(f"{kind} {nbytes / psi:.2f}" for kind, nbytes in sorted(result.comm.items()))
         line = f"- {result.method}: state/Ψ params {params:.2f}, grads {grads:.2f}, optimizer {optim:.2f}; "
         line += f"bytes sent/Ψ per step: {traffic or 'none'}"
-        if reference and result.method not in ("ddp", FLOOR):  # the floor trains on rank 0's batch alone
+        if reference and result.method not in ("ddp", FLOOR):  # the floor's ranks average nothing
             diff = max(abs(a - b) for a, b in zip(result.losses, reference, strict=True))
             line += f"; max |loss - DDP loss| over steps {diff:.1e}"
         if result.report_mismatch:
@@ -304,14 +303,15 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
 
 MEASUREMENT_NOTES = """\
 How to read it: step time = slowest rank per step, median over every timed step of every repetition, without the
-memory walk. single_process = the compute floor: one process (no process group traffic), the same per-rank batch,
-AdamW(fused=True); time above floor = a method's median minus the floor's, and its share of the method's step
-(what distribution adds: unhidden communication, sharding bookkeeping, a slower optimizer loop; a sharded
-optimizer steps 1/N of the model, so a little of that can come back as negative). ddp = the user's AdamW(...)
-(torch's default loop on CPU); ddp_fused_adamw = AdamW(fused=True); zero* = the user's AdamW(...), which ZeRO
-steps with the fused kernel (fused_optimizer=True).
-Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP
-with gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
+memory walk. single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch
+as a single process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
+shares the machine's cores and memory bandwidth as the other rows' ranks do. Time above floor = a method's median
+minus the floor's, and its share of the method's step (what distribution adds: unhidden communication, sharding
+bookkeeping, a slower optimizer loop; a sharded optimizer steps 1/N of the model, so a little can come back as
+negative). ddp = the user's AdamW(...) (torch's default loop on CPU); ddp_fused_adamw = AdamW(fused=True);
+zero* = the user's AdamW(...), which ZeRO steps with the fused kernel (fused_optimizer=True).
+Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP with
+gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
 all-gather / reduce-scatter / broadcast, twice the buffer of an all-reduce (zero*: engine comm_log; ddp: comm hook;
 zero_redundancy: comm hook + torch.distributed wrappers; fsdp2: wrappers). Peak RSS = VmHWM minus VmRSS at a reset
 (/proc/self/clear_refs) just before the model is built, each run in fresh processes, largest rank and repetition."""
