@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 import shutil
+import sys
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from torch.optim import Optimizer
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.sharding import UnitPlan
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; Python 3.11's mmap lacks the name
+# Python 3.11's mmap lacks the name; 23 is Linux's value (and means something else elsewhere, so only there)
+MADV_POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 class OffloadError(RuntimeError):
@@ -56,7 +58,7 @@ class NvmeStore:
         self._maps: dict[str, mmap.mmap] = {}
         self._tensors: dict[int, str] = {}  # id(tensor) -> file name, for page release
         self._regions: list[tuple[int, int, mmap.mmap]] = []  # (address, bytes, mapping), to find a view's file
-        self._can_populate = True  # until the kernel says MADV_POPULATE_WRITE is unknown to it
+        self._can_populate = MADV_POPULATE_WRITE is not None  # until the kernel says it does not know it
 
     @staticmethod
     def check_space(root: str | os.PathLike, needed_bytes: int) -> None:
@@ -86,8 +88,10 @@ class NvmeStore:
         """Map the pages under these (contiguous) views of file-backed tensors in one call each, before a pass over
         them (see [Note: populating a chunk before its step]); tensors not in a file are skipped."""
         for tensor in tensors:
-            if not self._can_populate or tensor.numel() == 0:
+            if not self._can_populate or MADV_POPULATE_WRITE is None:
                 return
+            if tensor.numel() == 0:
+                continue
             start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
             for address, size, mapping in self._regions:
                 if address <= start and start + nbytes <= address + size:
