@@ -17,20 +17,34 @@ from benchmarks.bench_model import BenchGPT
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 
+# The compute floor: what each rank would do as a single process on its per-rank batch (no communication), with the
+# fastest torch step (the fused AdamW kernel), so that every other row's time above it is what distribution adds.
+# Its ranks run side by side like every other method's: one rank alone would get the machine's cores and memory
+# bandwidth to itself, and the difference would show up as "communication" (5m preset on a busy 2-core machine:
+# ~120 ms for one rank alone, ~230 ms for each of two side by side).
+FLOOR = "single_process"
 
-def _build_ddp(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+
+def _build_single_process(model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    return MethodRun(model, model, optimizer, optimizer.step, optimizer)
+
+
+def _build_ddp(model: nn.Module, counter: CollectiveCounter, fused: bool | None = None) -> MethodRun:
+    """DDP with the user's ``AdamW(...)`` (``fused=None``: torch's default, the per-tensor loop on CPU), or with
+    ``AdamW(fused=True)``."""
     from torch.nn.parallel import DistributedDataParallel
 
     # Gradients as views of DDP's buckets: otherwise the buckets are a second full gradient (20Ψ, not 16Ψ) that
     # no walk of `.grad` sees.
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE, fused=fused)
     return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
 
 
 def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)  # the user's, unmodified (ZeRO fuses it)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
 
     def step() -> None:
@@ -61,7 +75,9 @@ def _build_fsdp2(reshard_after_forward: bool, model: nn.Module, counter: Collect
 
 
 BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    FLOOR: _build_single_process,
     "ddp": _build_ddp,
+    "ddp_fused_adamw": functools.partial(_build_ddp, fused=True),
     "zero1": functools.partial(_build_zero, 1),
     "zero2": functools.partial(_build_zero, 2),
     "zero3": functools.partial(_build_zero, 3),

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
-from benchmarks.bench_methods import BUILDERS
+from benchmarks.bench_methods import BUILDERS, FLOOR
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
@@ -79,7 +79,7 @@ def theory_state_bytes(method: str, psi: int, world: int) -> float:
         return 4 * psi + 4 * psi + 8 * psi / world
     if method == "zero2":
         return 4 * psi + 12 * psi / world
-    if method == "ddp":
+    if method in ("ddp", "ddp_fused_adamw", FLOOR):
         return 16 * psi
     return 16 * psi / world  # zero3, fsdp2
 
@@ -88,6 +88,8 @@ def theory_comm_bytes(method: str, psi: int) -> int:
     """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
+    if method == FLOOR:
+        return 0
     three = method in ("zero3", "zero_redundancy", "fsdp2_reshard_true")
     return (3 if three else 2) * psi * 4  # fp32
 
@@ -247,9 +249,17 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _row(result: MethodResult, ddp_ms: float | None, psi: int, world: int) -> str:
+def _above_floor(median_ms: float, floor_ms: float | None, method: str) -> str:
+    """The time a method spends above the single-process step, in ms and as a share of its own step."""
+    if floor_ms is None or method == FLOOR:
+        return "—"
+    above = median_ms - floor_ms
+    return f"{above:.1f} ms ({above / median_ms:.1%})"
+
+
+def _row(result: MethodResult, ddp_ms: float | None, floor_ms: float | None, psi: int, world: int) -> str:
     if result.failure is not None:
-        return f"| {result.method} | n/a ({result.failure}) |" + " — |" * 7
+        return f"| {result.method} | n/a ({result.failure}) |" + " — |" * 8
     median_ms = statistics.median(result.step_times) * 1e3
     vs_ddp = f"{median_ms / ddp_ms:.2f}x" if ddp_ms else "n/a"
     state = sum(result.state)
@@ -259,10 +269,13 @@ def _row(result: MethodResult, ddp_ms: float | None, psi: int, world: int) -> st
     comm_theory = theory_comm_bytes(result.method, psi)
     if result.counted and abs(sum(result.counted.values()) - sent) > 0.5:
         sent_cell = f"{_mib(sent)} (dist wrappers: {_mib(sum(result.counted.values()))})"
+    elif comm_theory == 0:
+        sent_cell = _mib(sent)
     else:
         sent_cell = f"{_mib(sent)} ({sent / comm_theory:.2f}x theory)"
     cells = [
-        result.method, f"{median_ms:.1f}", vs_ddp, state_cell, _mib(state_theory), f"{state / state_theory:.3f}x",
+        result.method, f"{median_ms:.1f}", vs_ddp, _above_floor(median_ms, floor_ms, result.method), state_cell,
+        _mib(state_theory), f"{state / state_theory:.3f}x",
         sent_cell, _mib(comm_theory), _mib(result.peak_rss),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -279,7 +292,7 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
         traffic = ", ".join(f"{kind} {nbytes / psi:.2f}" for kind, nbytes in sorted(result.comm.items()))
         line = f"- {result.method}: state/Ψ params {params:.2f}, grads {grads:.2f}, optimizer {optim:.2f}; "
         line += f"bytes sent/Ψ per step: {traffic or 'none'}"
-        if reference and result.method != "ddp":
+        if reference and result.method not in ("ddp", FLOOR):  # the floor's ranks average nothing
             diff = max(abs(a - b) for a, b in zip(result.losses, reference, strict=True))
             line += f"; max |loss - DDP loss| over steps {diff:.1e}"
         if result.report_mismatch:
@@ -290,8 +303,15 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
 
 MEASUREMENT_NOTES = """\
 How to read it: step time = slowest rank per step, median over every timed step of every repetition, without the
-memory walk. Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP
-with gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
+memory walk. single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch
+as a single process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
+shares the machine's cores and memory bandwidth as the other rows' ranks do. Time above floor = a method's median
+minus the floor's, and its share of the method's step (what distribution adds: unhidden communication, sharding
+bookkeeping, a slower optimizer loop; a sharded optimizer steps 1/N of the model, so a little can come back as
+negative). ddp = the user's AdamW(...) (torch's default loop on CPU); ddp_fused_adamw = AdamW(fused=True);
+zero* = the user's AdamW(...), which ZeRO steps with the fused kernel (fused_optimizer=True).
+Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP with
+gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
 all-gather / reduce-scatter / broadcast, twice the buffer of an all-reduce (zero*: engine comm_log; ddp: comm hook;
 zero_redundancy: comm hook + torch.distributed wrappers; fsdp2: wrappers). Peak RSS = VmHWM minus VmRSS at a reset
 (/proc/self/clear_refs) just before the model is built, each run in fresh processes, largest rank and repetition."""
@@ -303,8 +323,11 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         psi = sum(p.numel() for p in BenchGPT(shape).parameters())
     ddp = next((r for r in results if r.method == "ddp" and r.failure is None), None)
     ddp_ms = statistics.median(ddp.step_times) * 1e3 if ddp else None
+    floor = next((r for r in results if r.method == FLOOR and r.failure is None), None)
+    floor_ms = statistics.median(floor.step_times) * 1e3 if floor else None
     header = [
-        "method", "median step ms", "ratio to DDP", "model state / rank", "theory", "ratio to theory",
+        "method", "median step ms", "ratio to DDP", "time above floor", "model state / rank", "theory",
+        "ratio to theory",
         "bytes sent / step", "theory", "peak RSS / rank above baseline",
     ]
     lines = [
@@ -316,7 +339,7 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
-        *(_row(result, ddp_ms, psi, options.world_size) for result in results),
+        *(_row(result, ddp_ms, floor_ms, psi, options.world_size) for result in results),
         "",
         *_details(results, psi),
         "",

@@ -63,6 +63,13 @@ class ZeroConfig:
     """Accept an optimizer class that is not on the list of element-wise optimizers known to be exact on flat
     slices. Only set this if your optimizer's update of each element depends on that element's history alone."""
 
+    fused_optimizer: bool = True
+    """Step Adam, AdamW, SGD and Adagrad with torch's fused kernel (one pass over each master slice; several times
+    faster on CPU), keeping the user's optimizer object and hyper-parameters. Results agree with torch's default
+    loop to fp32 rounding, not bit for bit. Only a param group left at torch's defaults (``fused=None``,
+    ``foreach=None``) is switched; an explicit ``fused=False`` or ``foreach=...`` is respected. False: torch's own
+    choice everywhere."""
+
     process_group_timeout_s: float = 1800.0
     """Seconds a collective may wait before the process group gives up (torch's default is 30 minutes)."""
 

@@ -15,8 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroStrategy
+from zero_strategy.lightning.profiler import KINDS, CommunicationProfiler, StepRecord
 
 REDUCTION_DELAY_S = 0.1
+OPTIMIZER_DELAY_S = 0.05
 
 
 class SlowReductions(Callback):
@@ -40,6 +42,11 @@ class SlowReductions(Callback):
             return work
 
         point_to_point.reduce_scatter_sum = slow_reduce_scatter_sum
+
+    def on_fit_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        # and every optimizer step OPTIMIZER_DELAY_S longer (a step post-hook runs inside the timed step)
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_post_hook(lambda *args: time.sleep(OPTIMIZER_DELAY_S))
 
 
 class Blocks(pl.LightningModule):
@@ -86,3 +93,22 @@ def test_profile_logs_bytes_and_time_per_collective(tmp_path: Path, capsys: pyte
     assert all(injected <= b <= injected + 0.25 for b in blocked), blocked
     exposed = [float(r["comm/exposed_s"]) for r in rows if r.get("comm/exposed_s")]
     assert all(e >= b for e, b in zip(exposed, blocked, strict=True)) and all(s >= injected for s in steps)
+    # the optimizer step is its own part of the split: it holds the injected delay, and the three parts add up
+    stepping = [float(r["comm/optimizer_s"]) for r in rows if r.get("comm/optimizer_s")]
+    assert len(stepping) == 4 and all(OPTIMIZER_DELAY_S <= o <= OPTIMIZER_DELAY_S + 0.25 for o in stepping), stepping
+    for c, o, e, s in zip(compute, stepping, exposed, steps, strict=True):
+        assert c + o + e == pytest.approx(s, abs=1e-6), (c, o, e, s)
+    shares = [float(r["comm/above_compute_share"]) for r in rows if r.get("comm/above_compute_share")]
+    for share, o, e, s in zip(shares, stepping, exposed, steps, strict=True):
+        assert share == pytest.approx((o + e) / s, rel=1e-4)
+
+
+def test_summary_splits_the_step() -> None:
+    profiler = CommunicationProfiler()
+    blocked = dict.fromkeys(KINDS, 0.0) | {"reduce_scatter": 0.002}
+    sent = dict.fromkeys(KINDS, 0)
+    profiler.records = [StepRecord(0.02, blocked, sent, 0.004)] * 3  # the first is skipped as warm-up
+    summary = profiler.summary()
+    assert "forward/backward and other compute 14.0 ms, optimizer step 4.0 ms, communication not hidden 2.0 ms" in (
+        summary
+    ) and "30.0% of the step" in summary, summary

@@ -34,7 +34,14 @@ from zero_strategy.core.materialize import (
 )
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.offload import chunked_step, make_placement
-from zero_strategy.core.optimizer import bind_optimizer, check_optimizer, param_group_index, remove_zero_grad_hook
+from zero_strategy.core.optimizer import (
+    bind_optimizer,
+    check_optimizer,
+    install_fused_steps,
+    param_group_index,
+    remove_fused_steps,
+    remove_zero_grad_hook,
+)
 from zero_strategy.core.reduction_order import ReductionOrder
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
@@ -152,6 +159,7 @@ class ZeroEngine:
         for opt_index, optimizer in enumerate(self.optimizers):
             flats = list(self._flat_params_of(opt_index))
             bind_optimizer(optimizer, flats, self.ctx.rank, partial(self._on_zero_grad, opt_index))
+            install_fused_steps(optimizer, self.config.fused_optimizer)
 
     def _on_zero_grad(self, optimizer_index: int) -> None:
         """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
@@ -363,6 +371,7 @@ class ZeroEngine:
         self.hooks.remove()
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
+            remove_fused_steps(optimizer)
         for flat in self.flat_params:
             for param in flat.params:
                 param.grad = None

@@ -6,13 +6,21 @@ Writes land in the OS page cache and reach the file without copies; after each u
 a gather) the mapping's pages are released with ``madvise(MADV_DONTNEED)`` so they stop counting as this
 process's resident memory. The optimizer therefore steps in chunks (see :func:`chunked_step`): resident memory of
 a step is a few chunks, not the whole optimizer state.
+
+[Note: populating a chunk before its step]
+Released pages come back one page fault at a time when the optimizer touches them; with the fused kernel (one pass
+over memory) those faults were ~90 % of a step (100 M parameters: 0.6 s of faults, 0.06 s of arithmetic).
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) maps a chunk's pages in one call, measured ~3 x faster than faulting
+them; where the kernel lacks it the step simply faults as before.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
+import sys
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,6 +32,9 @@ from torch.optim import Optimizer
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.sharding import UnitPlan
+
+# Python 3.11's mmap lacks the name; 23 is Linux's value (and means something else elsewhere, so only there)
+MADV_POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 class OffloadError(RuntimeError):
@@ -46,6 +57,8 @@ class NvmeStore:
             raise OffloadError(f"nvme_path={str(base)!r} is not a writable directory: {error}") from error
         self._maps: dict[str, mmap.mmap] = {}
         self._tensors: dict[int, str] = {}  # id(tensor) -> file name, for page release
+        self._regions: list[tuple[int, int, mmap.mmap]] = []  # (address, bytes, mapping), to find a view's file
+        self._can_populate = MADV_POPULATE_WRITE is not None  # until the kernel says it does not know it
 
     @staticmethod
     def check_space(root: str | os.PathLike, needed_bytes: int) -> None:
@@ -65,9 +78,31 @@ class NvmeStore:
         with open(path, "r+b") as handle:
             mapping = mmap.mmap(handle.fileno(), nbytes, access=mmap.ACCESS_WRITE)
         self._maps[name] = mapping
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        self._regions.append((raw.data_ptr(), nbytes, mapping))
+        tensor = raw.view(dtype)[:numel]
         self._tensors[id(tensor)] = name
         return tensor
+
+    def populate(self, tensors: list[Tensor]) -> None:
+        """Map the pages under these (contiguous) views of file-backed tensors in one call each, before a pass over
+        them (see [Note: populating a chunk before its step]); tensors not in a file are skipped."""
+        for tensor in tensors:
+            if not self._can_populate or MADV_POPULATE_WRITE is None:
+                return
+            if tensor.numel() == 0:
+                continue
+            start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            for address, size, mapping in self._regions:
+                if address <= start and start + nbytes <= address + size:
+                    offset = start - address
+                    aligned = offset - offset % mmap.PAGESIZE
+                    try:
+                        mapping.madvise(MADV_POPULATE_WRITE, aligned, offset + nbytes - aligned)
+                    except OSError as error:  # the pages are then faulted in by the step, as without this call
+                        if error.errno == errno.EINVAL:  # a kernel before 5.14: do not ask again
+                            self._can_populate = False
+                    break
 
     def release_pages(self) -> None:
         """Drop every mapping's pages from this process's resident set (the data stays in the files)."""
@@ -77,6 +112,7 @@ class NvmeStore:
     def close(self) -> None:
         self._maps.clear()  # mappings close when the last tensor viewing them is gone
         self._tensors.clear()
+        self._regions.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -146,6 +182,10 @@ def chunked_step(optimizer: Optimizer, chunk_numel: int, store: NvmeStore) -> No
                 optimizer.param_groups[group_index]["params"].append(view)
                 owners.append((piece, view, lo))
             optimizer.state = defaultdict(dict, state_views)
+            store.populate([view.data for _, view, _ in owners] + [
+                value for state in state_views.values() for value in state.values()
+                if isinstance(value, Tensor) and value.dim() > 0
+            ])
             optimizer.step()
             for piece, view, start in owners:
                 _store_chunk_state(saved, piece, optimizer.state[view], start, store, scalars)
