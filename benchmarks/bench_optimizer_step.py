@@ -63,13 +63,13 @@ def time_step(params: int, options: dict[str, object], fused: bool, steps: int) 
     engine = ZeroEngine(model, [optimizer], ZeroConfig(fused_optimizer=fused, **options))  # type: ignore[arg-type]
     try:
         model(torch.randn(1, WIDTH)).sum().backward()
-        engine.prepare_step(optimizer)
-        engine.step(optimizer)  # creates the state; the gradients stay on the slices for the timed steps
         times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step(optimizer)
-            times.append(time.perf_counter() - start)
+        with engine.step_window(optimizer):  # the gradients stay on the slices for every timed step
+            engine.step(optimizer)  # creates the state
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step(optimizer)
+                times.append(time.perf_counter() - start)
         return sum(p.numel() for p in engine.master_params(optimizer)), times
     finally:
         engine.release()

@@ -57,9 +57,7 @@ def train(
         model.blocks[0].requires_grad_(not (skip_first and index == 0))
         lm_loss(model, tokens).backward()
         if engine is not None:
-            engine.prepare_step(optimizer)
-            engine.step(optimizer)
-            engine.after_step(optimizer)
+            engine.optimizer_step(optimizer)
         else:
             optimizer.step()
     if engine is None:
