@@ -93,6 +93,11 @@ class ZeroConfig:
     cpu_checkpointing: bool = False
     """With activation checkpointing on a GPU, keep the checkpointed inputs in host memory."""
 
+    shard_group_size: Any = None  # int | "node" | None; `Any` because OmegaConf 2.3 rejects Union fields
+    """Hybrid sharding: K ranks share one copy of the sharded state (ZeRO inside each group of K consecutive ranks,
+    replicas across groups, gradients averaged over the replicas). "node": the ranks of one node (as the launcher
+    defines nodes). None: the whole world (flat ZeRO). K must divide the world size."""
+
     def __post_init__(self) -> None:
         if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
@@ -115,6 +120,12 @@ class ZeroConfig:
             raise ZeroConfigError(
                 'collectives="shared_memory" applies to stage 3 without offload only (shared memory holds the '
                 'parameter shards that stage 3 gathers); use "auto" or "point_to_point".'
+            )
+        size = self.shard_group_size
+        if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ZeroConfigError(
+                f"shard_group_size={size!r}: use a positive number of ranks that divides the world size, 'node' "
+                "(the ranks of one node) or None (the whole world)."
             )
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
