@@ -20,7 +20,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "replica_all_reduce")
+LINKS = ("intra_node", "inter_node")  # bytes this rank sent, by where the receiver sits (core/transport/topology.py)
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class StepRecord:
     wall_s: float
     blocked_s: dict[str, float]
     bytes_sent: dict[str, int]
+    bytes_by_link: dict[str, int]
 
     @property
     def exposed_s(self) -> float:
@@ -47,6 +49,7 @@ class CommunicationProfiler(Callback):
         self._start = 0.0
         self._bytes: dict[str, int] = {}
         self._seconds: dict[str, float] = {}
+        self._links: dict[str, int] = {}
 
     @staticmethod
     def _log(trainer: Trainer) -> Any:
@@ -56,6 +59,7 @@ class CommunicationProfiler(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         log = self._log(trainer)
         self._bytes, self._seconds = dict(log.bytes_by_kind), dict(log.seconds_by_kind)
+        self._links = dict(log.bytes_by_link)
         self._start = time.perf_counter()
 
     @override
@@ -69,6 +73,7 @@ class CommunicationProfiler(Callback):
             wall_s=wall,
             blocked_s={k: log.seconds_by_kind.get(k, 0.0) - self._seconds.get(k, 0.0) for k in KINDS},
             bytes_sent={k: log.bytes_by_kind.get(k, 0) - self._bytes.get(k, 0) for k in KINDS},
+            bytes_by_link={k: log.bytes_by_link.get(k, 0) - self._links.get(k, 0) for k in LINKS},
         )
         self.records.append(record)
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
@@ -78,6 +83,8 @@ class CommunicationProfiler(Callback):
             for kind in KINDS:
                 metrics[f"comm/{kind}_bytes"] = float(record.bytes_sent[kind])
                 metrics[f"comm/{kind}_blocked_s"] = record.blocked_s[kind]
+            for link in LINKS:
+                metrics[f"comm/{link}_bytes_sent"] = float(record.bytes_by_link[link])
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -107,4 +114,6 @@ class CommunicationProfiler(Callback):
             blocked = sum(r.blocked_s[kind] for r in steps) / count
             rate = f"{sent / blocked / 1e6:.0f}" if blocked > 0 else "-"
             lines.append(f"| {kind} | {sent / 2**20:.2f} | {blocked * 1000:.1f} | {rate} |")
+        links = ", ".join(f"{link} {sum(r.bytes_by_link[link] for r in steps) / count / 2**20:.2f}" for link in LINKS)
+        lines.append(f"MiB sent by this rank per step, by link: {links}")
         return "\n".join(lines)
