@@ -7,6 +7,7 @@ byte counts of flat and hybrid stage 3 against the formulas of [Note: hybrid sha
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.transport.topology import INTER_NODE, INTRA_NODE, Topology, resolve_shard_group_size
+from zero_strategy.estimate.network import estimate_traffic
 from zero_strategy.testing import run_ranks
 
 STEPS, ACCUM, GLOBAL_BATCH, MAX_NORM = 3, 2, 8, 0.05
@@ -117,6 +119,14 @@ def test_hybrid_sharding_matches_ddp_and_keeps_bytes_inside_nodes():
         assert hybrid_links[INTER_NODE] <= flat_exchanged / 2 * (4 - 2) / 4 + psi / 2 * 1.02
         assert hybrid_links[INTER_NODE] < flat_links[INTER_NODE] / 2
         assert hybrid_links[INTRA_NODE] > 0 and hybrid_exchanged > 0
+        # zero-estimate --nodes 2 --gpus-per-node 2: the same numbers before any run (stage 3's two gathers per
+        # step are an upper bound: the engine keeps the root and the last unit whole from forward into backward)
+        count = sum(p.numel() for p in make_model(width=96).parameters())
+        predict = functools.partial(estimate_traffic, count, 3, Topology.uniform(4, 2), bandwidth_gbps=(100.0, 10.0))
+        assert predict("node").inter_bytes == pytest.approx(hybrid_links[INTER_NODE], rel=0.02)
+        assert predict(None).inter_bytes >= flat_links[INTER_NODE]
+        assert estimate_traffic(count, 2, Topology.uniform(4, 2), None, (100.0, 10.0)).inter_bytes <= flat_links[
+            INTER_NODE]
         assert flat_links[INTRA_NODE] > 0
         assert "shard_group_size=3 must divide the world size 4" in result["error"]
 
