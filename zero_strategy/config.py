@@ -111,6 +111,11 @@ class ZeroConfig:
     pretrained_strict: bool = True
     """With ``pretrained``: missing and unexpected keys are an error (False: load what matches, e.g. a new head)."""
 
+    shard_group_size: Any = None  # int | "node" | None; `Any` because OmegaConf 2.3 rejects Union fields
+    """Hybrid sharding: K ranks share one copy of the sharded state (ZeRO inside each group of K consecutive ranks,
+    replicas across groups, gradients averaged over the replicas). "node": the ranks of one node (as the launcher
+    defines nodes). None: the whole world (flat ZeRO). K must divide the world size."""
+
     def __post_init__(self) -> None:
         if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
@@ -137,6 +142,12 @@ class ZeroConfig:
         if self.pretrained is not None and not os.path.exists(self.pretrained):
             raise ZeroConfigError(f"pretrained={self.pretrained!r} does not exist; give the path of the weights file "
                                   "or checkpoint directory to start from.")
+        size = self.shard_group_size
+        if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ZeroConfigError(
+                f"shard_group_size={size!r}: use a positive number of ranks that divides the world size, 'node' "
+                "(the ranks of one node) or None (the whole world)."
+            )
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."

@@ -265,3 +265,19 @@ def test_console_script_points_at_main():
     text = (REPO / "pyproject.toml").read_text()  # (tomllib is not in Python 3.10, which we support)
     scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     assert 'zero-estimate = "zero_strategy.estimate.cli:main"' in scripts.splitlines()
+
+
+def test_cli_predicts_bytes_per_link_for_flat_and_hybrid(capsys):
+    """``--nodes``: per-link bytes and time per step; the hybrid layout keeps gathers inside the nodes (the figures
+    themselves are held to measured bytes in tests/distributed/test_hybrid_sharding.py)."""
+    from zero_strategy.estimate.cli import main
+
+    main(["--params", "1e9", "--nodes", "2", "--gpus-per-node", "4", "--inter-gbps", "8", "--intra-gbps", "800"])
+    out = capsys.readouterr().out
+    stage3 = out[out.index("stage 3,") :].splitlines()
+    flat = [float(x) for x in stage3[2].split()[1:]]
+    hybrid = [float(x) for x in stage3[3].split()[2:]]
+    assert stage3[3].startswith("hybrid K=4")
+    # flat: 3 exchanges of 4 GB, 4 of 7 peers remote, 1/8 each: 6 GB across nodes; hybrid: 2·(1 GB)/2 = 1 GB
+    assert flat[1] == pytest.approx(6e9 / 2**30, abs=1e-3) and hybrid[1] == pytest.approx(1e9 / 2**30, abs=1e-3)
+    assert hybrid[2] < flat[2]  # less time: the slow link carries less

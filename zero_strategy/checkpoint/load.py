@@ -146,7 +146,10 @@ def _piece_state(
 
 
 def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
-    """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise)."""
+    """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise). A replica's rank
+    (hybrid sharding) keeps its own: the shard of its rank holds the first shard group's RNG."""
+    if engine.ctx.replicas is not None and engine.ctx.replicas.index > 0:
+        return False
     saved = ckpt.rng_state(engine.ctx.rank)
     if saved is None:
         return False

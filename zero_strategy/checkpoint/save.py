@@ -5,6 +5,10 @@ rank; each rank writes its shard file; every rank reports success and file size;
 0 write the trainer state and the manifest, then publish (rename or manifest switch). A rank that dies leaves the
 others waiting in the report step until the process-group timeout: nothing was published, the previous
 checkpoint is intact.
+
+With hybrid sharding (replicas of each shard group) every rank of the run takes part in these steps, but only the
+first shard group writes shards: the others hold the same slices. The manifest then describes a world of K ranks,
+and since loading reads by parameter name and element range, any layout (flat or hybrid, any world) can read it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class SaveInfo:
     extra: dict[str, Any] = field(default_factory=dict)  # the manifest's free-form notes
 
 
+class _NothingToWrite(Exception):
+    """A replica's rank: the first shard group writes the slices it holds."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Staging:
     checkpoint_id: str
@@ -87,11 +95,13 @@ def _manifest_entries(engine: ZeroEngine) -> tuple[list[FlatEntry], list[list[st
 def save_sharded(
     engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
 ) -> None:
-    """Collective: every rank of the engine's group calls this with the same ``path``."""
+    """Collective: every rank of the engine's run (its group, and the replicas) calls this with the same ``path``."""
     ctx = engine.ctx
     target = Path(path)
+    writes = ctx.replicas is None or ctx.replicas.index == 0  # replicas hold the first shard group's slices
+    leader = ctx.rank == 0 and writes
     planned: _Staging | str | None = None
-    if ctx.rank == 0:
+    if leader:
         try:
             if target.exists() and not target.is_dir():
                 raise CheckpointError(f"{target} exists and is a file, not a sharded checkpoint directory.")
@@ -101,13 +111,15 @@ def save_sharded(
             planned = f"cannot create a checkpoint at {target}: {error}"
         except CheckpointError as error:
             planned = str(error)
-    planned = broadcast_object(planned, 0, ctx.group)
+    planned = broadcast_object(planned, ctx.everyone_src, ctx.everyone)
     if not isinstance(planned, _Staging):
         raise CheckpointError(str(planned))
     staging = planned
     with_optimizer = "optimizer_states" in trainer_state
-    report: tuple[bool, Any]
+    report: tuple[bool, Any] = (True, None)
     try:
+        if not writes:
+            raise _NothingToWrite
         specs, tensors, scalars = collect_shard(engine, with_optimizer)
         rng_tensors, rng_json = capture_rng()
         specs += [(name, t.dtype, list(t.shape)) for name, t in rng_tensors.items()]
@@ -115,18 +127,21 @@ def save_sharded(
         all_tensors = itertools.chain(tensors, rng_tensors.values())
         size = write_safetensors(staging.version_dir / shard_file_name(ctx.rank), specs, all_tensors, metadata)
         report = (True, size)
+    except _NothingToWrite:
+        pass
     except Exception as error:  # every rank must reach the report step, or the others wait for nothing
         report = (False, f"rank {ctx.rank}: {type(error).__name__}: {error}")
-    reports = all_gather_object(report, ctx.group)
+    reports = all_gather_object(report, ctx.everyone)
     failures = [message for ok, message in reports if not ok]
-    if ctx.rank == 0 and not failures:
+    sizes = [size for ok, size in reports if ok and size is not None]  # the writers', in rank order
+    if leader and not failures:
         try:
-            _publish(engine, target, staging, trainer_state, info, [size for _, size in reports], with_optimizer)
+            _publish(engine, target, staging, trainer_state, info, sizes, with_optimizer)
         except Exception as error:
             failures.append(f"rank 0 publishing: {type(error).__name__}: {error}")
-    if ctx.rank == 0 and failures:
+    if leader and failures:
         shutil.rmtree(staging.root if staging.fresh else staging.version_dir, ignore_errors=True)
-    failures = broadcast_object(failures, 0, ctx.group)  # nobody returns before the checkpoint is published
+    failures = broadcast_object(failures, ctx.everyone_src, ctx.everyone)  # nobody returns before it is published
     if failures:
         raise CheckpointError(f"saving {target} failed; the previous checkpoint is untouched: {'; '.join(failures)}")
 

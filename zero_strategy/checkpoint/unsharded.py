@@ -64,6 +64,7 @@ def save_module_weights(
         offload_param=OffloadDevice.none,
         collectives="native" if config.collectives == "shared_memory" else config.collectives,
         activation_checkpointing=[],
+        shard_group_size=None,  # every rank writes its slice of a flat layout: no replica groups to build
     )
     engine = ZeroEngine(module, [], plain)
     try:

@@ -25,6 +25,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.core import gradients
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
+from zero_strategy.core.hybrid import adopt_first_replica
 from zero_strategy.core.materialize import (
     InitialValues,
     check_materializable,
@@ -50,9 +51,11 @@ from zero_strategy.core.transport.choice import (
     choose_gather_watch,
     choose_shared_shards,
     dist_context,
+    rank_layout,
     shared_memory_unavailable,
 )
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, broadcast_flat
+from zero_strategy.core.transport.topology import RankLayout
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
 
@@ -82,7 +85,7 @@ class ZeroEngine:
         module: nn.Module,
         optimizers: list[Optimizer],
         config: ZeroConfig,
-        group: ProcessGroup = None,
+        group: ProcessGroup | RankLayout = None,
         entry_module: nn.Module | None = None,
         policy: MixedPrecisionPolicy | None = None,
         *,
@@ -91,13 +94,15 @@ class ZeroEngine:
         """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``.
         ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype.
         ``initial_values``: how a meta-built module gets its values, and pretrained weights to load (see
-        [Note: sharded construction] in materialize.py)."""
+        [Note: sharded construction] in materialize.py).
+        ``group``: the process group to shard over, or a :class:`RankLayout` (nodes, shard and replica groups)."""
         self.module = module
         self.optimizers = list(optimizers)
         self.config = config
         self.stage = ZeroStage(config.stage)
-        self.ctx = dist_context(group, config.collectives)
-        self.comm_log = CommunicationLog()
+        layout = rank_layout(group, config)
+        self.ctx = dist_context(layout, config.collectives)
+        self.comm_log = CommunicationLog(topology=layout.topology)
         self._unused_saved: dict[int, Saved] = {}
         self._overflow_found: dict[int, bool] = {}  # optimizer index -> unscaled this step; did any rank overflow
         for optimizer in self.optimizers:
@@ -107,6 +112,7 @@ class ZeroEngine:
         recording = initial_values.recording if initial_values is not None else None
         replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
         self._build_units(module, policy, materialize_on)
+        adopt_first_replica(self.flat_params, self.ctx, self.comm_log)  # replicas start from global rank 0
         self.watch = choose_gather_watch(self.ctx, self.stage.reshards_parameters, self.shared)
         self.transport = Transport(self.ctx, self.comm_log, self.shared, self.watch)
         for unit in self.units:
@@ -120,7 +126,8 @@ class ZeroEngine:
             self.shared.after_writes()  # the replayed shards are complete before any peer gathers them
         self._sync_buffers()
         self._repoint_optimizers()
-        order = ReductionOrder(self.units, self.ctx.group, self.ctx.src_rank, self._collective)
+        # one order for the whole run: replicas all-reduce their slices in the order their groups reduce them
+        order = ReductionOrder(self.units, self.ctx.everyone, self.ctx.everyone_src, self._collective)
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
         )
@@ -202,7 +209,7 @@ class ZeroEngine:
             by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
         for group in by_dtype.values():
             flat = torch.cat([b.detach().reshape(-1) for b in group])
-            broadcast_flat(flat, self.ctx.src_rank, self.ctx.group, self.comm_log)
+            broadcast_flat(flat, self.ctx.everyone_src, self.ctx.everyone, self.comm_log)
             offset = 0
             with torch.no_grad():
                 for buffer in group:
@@ -241,7 +248,8 @@ class ZeroEngine:
         # Which parameters some rank used this step (see [Note: unused parameters] in unused.py); at stage 1 it
         # also tells which FlatParams every rank must reduce, zeros included where this rank has no gradient.
         flats = list(self._flat_params_of(index))
-        self._collective("agreement on used parameters", lambda: agree_on_used(flats, self.ctx.group, self.comm_log))
+        everyone = self.ctx.everyone  # a parameter used in one shard group is reduced over its replicas everywhere
+        self._collective("agreement on used parameters", lambda: agree_on_used(flats, everyone, self.comm_log))
         if self.watch is not None:
             self.watch.check_same_gathers(self.comm_log)
         at_boundary = None if self.stage.reduces_every_microstep else _used_by_some_rank

@@ -351,7 +351,9 @@ class FlatParam:
             return
         self.finish_reduce()
         flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
-        self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
+        self._pending_reduce = start_reduce_scatter_mean(
+            flat, self.ctx.group, self.log, self.ctx.point_to_point, self.ctx.replicas
+        )
         watch = self.watch
         if watch is not None:
             self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))

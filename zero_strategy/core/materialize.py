@@ -89,7 +89,8 @@ def replay_construction(
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers. Collective
     (rank 0's generator state is adopted first)."""
     recording = plan.recording
-    recording.entry_state = broadcast_object(recording.entry_state, transport.ctx.src_rank, transport.ctx.group)
+    ctx = transport.ctx  # every rank of the run (all replicas) replays from global rank 0's generator state
+    recording.entry_state = broadcast_object(recording.entry_state, ctx.everyone_src, ctx.everyone)
     owner: dict[str, tuple[FlatParam, int]] = {}
     for flat in flats:
         for index, name in enumerate(flat.names):

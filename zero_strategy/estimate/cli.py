@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero_strategy.core.transport.topology import Topology
 from zero_strategy.estimate.memory import OPTIMIZER_STATE_BYTES, MemoryEstimate, compare, first_fitting
+from zero_strategy.estimate.network import estimate_traffic, format_traffic
 
 GiB = 2**30
 _SIZES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -79,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--root-unit-params", type=parse_count, help="elements of the root unit (embeddings, head)")
     parser.add_argument("--activations", type=parse_bytes, help="activation bytes per rank, if known")
     parser.add_argument("--no-prefetch", action="store_true", help="stage 3 without prefetching the next unit")
+    parser.add_argument("--nodes", type=int, help="nodes: also predict bytes per link and communication time per step")
+    parser.add_argument("--intra-gbps", type=float, default=100.0, help="bandwidth inside a node, Gbit/s per rank")
+    parser.add_argument("--inter-gbps", type=float, default=25.0, help="bandwidth across nodes, Gbit/s per rank")
     parser.add_argument("--plot", metavar="FILE.png", help="stacked bar chart per configuration (needs matplotlib)")
     return parser
 
@@ -86,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``zero-estimate`` (and ``python -m zero_strategy.estimate``): print the table, optionally draw the chart."""
     args = _parser().parse_args(argv)
+    if args.nodes is not None:
+        args.gpus_per_node = args.gpus_per_node or 1
+        args.world_size = args.nodes * args.gpus_per_node
     if args.plot:
         require_matplotlib()  # before the work, so a missing package costs nothing
     subject: nn.Module | float = load_model(args.model, args.model_kwargs) if args.model else args.params
@@ -102,10 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_memory is not None:
         host_per_rank = args.host_memory / (args.gpus_per_node or min(8, args.world_size))
     print(format_report(estimates, args.device_memory, host_per_rank))
+    if args.nodes is not None:
+        count = float(sum(p.numel() for p in subject.parameters())) if isinstance(subject, nn.Module) else subject
+        print(_traffic_report(args, count))
     if args.plot:
         plot_estimates(estimates, args.plot, args.device_memory)
         print(f"chart written to {args.plot}")
     return 0
+
+
+def _traffic_report(args: argparse.Namespace, param_count: float) -> str:
+    """Bytes per link and communication time per step, flat and hybrid (one shard group per node), per stage."""
+    topology = Topology.uniform(args.world_size, args.gpus_per_node)
+    gathered = 4 if args.precision == "32-true" else 2  # gradients are reduced in fp32 by default
+    blocks = []
+    for stage in (1, 2, 3):
+        layouts = [None] + (["node"] if args.nodes > 1 and args.gpus_per_node > 1 else [])
+        rows = [estimate_traffic(param_count, stage, topology, k, (args.intra_gbps, args.inter_gbps), (gathered, 4))
+                for k in layouts]
+        blocks.append(format_traffic(rows, stage))
+    return "\n".join(blocks)
 
 
 # ----------------------------------------------------------------------------------------------------- table

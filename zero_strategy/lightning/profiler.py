@@ -23,7 +23,7 @@ only, and for kernel-level overlap use ``torch.profiler``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -33,7 +33,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "replica_all_reduce")
+LINKS = ("intra_node", "inter_node")  # bytes this rank sent, by where the receiver sits (core/transport/topology.py)
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class StepRecord:
     blocked_s: dict[str, float]
     bytes_sent: dict[str, int]
     optimizer_s: float = 0.0  # inside optimizer.step() (summed over calls: nvme offload steps in chunks)
+    bytes_by_link: dict[str, int] = field(default_factory=dict)  # bytes this rank sent per link
 
     @property
     def exposed_s(self) -> float:
@@ -72,6 +74,7 @@ class CommunicationProfiler(Callback):
         self._optimizer_s_at_start = 0.0
         self._step_started = 0.0
         self._handles: list[RemovableHandle] = []
+        self._links: dict[str, int] = {}
 
     @staticmethod
     def _log(trainer: Trainer) -> Any:
@@ -106,6 +109,7 @@ class CommunicationProfiler(Callback):
         log = self._log(trainer)
         self._bytes, self._seconds = dict(log.bytes_by_kind), dict(log.seconds_by_kind)
         self._optimizer_s_at_start = self._optimizer_s
+        self._links = dict(log.bytes_by_link)
         self._start = time.perf_counter()
 
     @override
@@ -120,6 +124,7 @@ class CommunicationProfiler(Callback):
             blocked_s={k: log.seconds_by_kind.get(k, 0.0) - self._seconds.get(k, 0.0) for k in KINDS},
             bytes_sent={k: log.bytes_by_kind.get(k, 0) - self._bytes.get(k, 0) for k in KINDS},
             optimizer_s=self._optimizer_s - self._optimizer_s_at_start,
+            bytes_by_link={k: log.bytes_by_link.get(k, 0) - self._links.get(k, 0) for k in LINKS},
         )
         self.records.append(record)
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
@@ -130,6 +135,8 @@ class CommunicationProfiler(Callback):
             for kind in KINDS:
                 metrics[f"comm/{kind}_bytes"] = float(record.bytes_sent[kind])
                 metrics[f"comm/{kind}_blocked_s"] = record.blocked_s[kind]
+            for link in LINKS:
+                metrics[f"comm/{link}_bytes_sent"] = float(record.bytes_by_link[link])
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -163,4 +170,6 @@ class CommunicationProfiler(Callback):
             blocked = sum(r.blocked_s[kind] for r in steps) / count
             rate = f"{sent / blocked / 1e6:.0f}" if blocked > 0 else "-"
             lines.append(f"| {kind} | {sent / 2**20:.2f} | {blocked * 1000:.1f} | {rate} |")
+        links = ", ".join(f"{link} {sum(r.bytes_by_link[link] for r in steps) / count / 2**20:.2f}" for link in LINKS)
+        lines.append(f"MiB sent by this rank per step, by link: {links}")
         return "\n".join(lines)

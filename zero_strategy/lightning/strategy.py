@@ -47,6 +47,7 @@ from zero_strategy.core.activation_checkpointing import (
 )
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
+from zero_strategy.core.transport.topology import RankLayout, Topology, build_rank_layout
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
@@ -127,6 +128,7 @@ class ZeroStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         # the last fit's released engine: its master slices and optimizer state serve a save after fit
         self._fit_engine: ZeroEngine | None = None
+        self._layout: RankLayout | None = None  # nodes, shard and replica groups (see _rank_layout)
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
     # ------------------------------------------------------------------------------------------ topology
@@ -249,15 +251,26 @@ class ZeroStrategy(ParallelStrategy):
         trainer = module.trainer
         # Only a fit steps optimizers; validate/test/predict after a fit must not re-bind the fit's optimizers.
         optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
+        layout = self._rank_layout()
         recording = self._recorder.take()
         config = self.config if not self._pretrained_loaded else replace(self.config, pretrained=None)
         with initial_values(module, recording, config, self.root_device) as values:
             policy = self.precision_plugin.policy()
-            self._engine = ZeroEngine(module, optimizers, self.config, None, entry, policy, initial_values=values)
+            self._engine = ZeroEngine(module, optimizers, self.config, layout, entry, policy, initial_values=values)
         self._pretrained_loaded = True  # a later test()/validate() on this Trainer keeps the trained weights
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
+
+    def _rank_layout(self) -> RankLayout | None:
+        """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local
+        rank), and the shard / replica groups of ``shard_group_size``; built once (the groups outlive fit/test)."""
+        if not _distributed_is_initialized():
+            return None
+        if self._layout is None:
+            topology = Topology.uniform(self.world_size, self.num_processes)
+            self._layout = build_rank_layout(self.config.shard_group_size, topology)
+        return self._layout
 
     @classmethod
     def from_deepspeed_config(

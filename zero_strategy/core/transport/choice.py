@@ -18,6 +18,7 @@ from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, prefers_point_to_point
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards
+from zero_strategy.core.transport.topology import RankLayout, Replicas, Topology, build_rank_layout
 
 T = TypeVar("T")
 _watch_numbers = itertools.count()  # one store namespace per engine (engines are built in the same order everywhere)
@@ -32,14 +33,45 @@ class DistContext:
     world_size: int
     src_rank: int  # global rank whose initial values every rank adopts (DDP broadcasts rank 0's too)
     point_to_point: bool = False  # all-gather / reduce-scatter as point-to-point exchanges (gloo: faster)
+    replicas: Replicas | None = None  # hybrid sharding: the ranks owning the same slice in other shard groups
+    everyone: ProcessGroup = None  # every rank of the run: `group`, or the world when there are replicas
+    one_node: bool = True  # the topology puts every rank of `group` on one node
+
+    @property
+    def everyone_src(self) -> int:
+        """Global rank whose values every rank of ``everyone`` adopts (its first rank)."""
+        return self.src_rank if self.replicas is None else 0
 
 
-def dist_context(group: ProcessGroup, collectives: str) -> DistContext:
-    """This rank's place in ``group`` and whether gathers/reductions go point-to-point ("auto": on gloo)."""
+def rank_layout(group: ProcessGroup | RankLayout, config: ZeroConfig) -> RankLayout:
+    """The engine's layout: given, or built from ``config.shard_group_size`` and the launcher's environment
+    (``LOCAL_WORLD_SIZE``; see [Note: node membership comes from the launcher] in topology.py)."""
+    if isinstance(group, RankLayout):
+        return group
+    if not (dist.is_available() and dist.is_initialized()):
+        return RankLayout(Topology.one_node(1), group)
+    if config.shard_group_size is not None and group is not None:
+        raise ZeroConfigError(
+            "shard_group_size builds its groups from the whole world; with a process group of your own pass "
+            "group=build_rank_layout(...) (zero_strategy.core.transport.topology) instead of a group."
+        )
+    if config.shard_group_size is not None:
+        return build_rank_layout(config.shard_group_size)
+    return RankLayout(Topology.from_env(dist.get_world_size()), group)
+
+
+def dist_context(layout: RankLayout, collectives: str) -> DistContext:
+    """This rank's place in its shard group and whether gathers/reductions go point-to-point ("auto": on gloo)."""
+    group = layout.shard_group
     if dist.is_available() and dist.is_initialized():
         src = dist.get_global_rank(group, 0) if group is not None else 0
         p2p = collectives == "point_to_point" or (collectives == "auto" and prefers_point_to_point(group))
-        return DistContext(group, dist.get_rank(group), dist.get_world_size(group), src, p2p)
+        members = dist.get_process_group_ranks(group or dist.group.WORLD)
+        everyone = group if layout.replicas is None else None
+        one_node = layout.topology.one_node_holds(members)
+        return DistContext(
+            group, dist.get_rank(group), dist.get_world_size(group), src, p2p, layout.replicas, everyone, one_node
+        )
     return DistContext(None, 0, 1, 0)
 
 
@@ -47,18 +79,19 @@ def choose_shared_shards(
     ctx: DistContext, config: ZeroConfig, offloaded: bool, device: torch.device, model_bytes: int
 ) -> SharedShards | None:
     """Shared-memory shards (see [Note: shared-memory gathers]) where asked for or, with "auto", where they
-    apply: stage 3, gloo, no offload, every rank on this host's CPU. Collective."""
+    apply: stage 3, gloo, no offload, every rank of the shard group on one node (per the launcher's topology) and on
+    this host's CPU. Collective."""
     choice = config.collectives
     applies = (
         config.zero_stage.reshards_parameters
         and not offloaded
         and ctx.world_size > 1
         and choice in ("auto", "shared_memory")
-        and (choice == "shared_memory" or prefers_point_to_point(ctx.group))
+        and (choice == "shared_memory" or (prefers_point_to_point(ctx.group) and ctx.one_node))
     )
     if not applies:  # an explicit "shared_memory" off stage 3 or with offload is refused by ZeroConfig already
         return None
-    if SharedShards.usable(ctx.group, device, model_bytes):
+    if ctx.one_node and SharedShards.usable(ctx.group, device, model_bytes):
         return SharedShards(ctx.group, ctx.rank, ctx.world_size, ctx.src_rank)
     if choice == "shared_memory":
         raise ZeroConfigError(

@@ -1,7 +1,12 @@
 """Stateless collectives: each takes its process group as an argument and records what it moved.
 
-Byte counts are the size of the full (unsharded) buffer a collective moves, the convention of NCCL's own
+Byte counts per kind are the size of the full (unsharded) buffer a collective moves, the convention of NCCL's own
 tests; a ring implementation puts (N-1)/N of that on each rank's wire.
+
+Byte counts per link (``bytes_by_link``: inside a node / across nodes, see topology.py) are what *leaves this rank*,
+split by the node of the receiving rank. For point-to-point exchanges they are exact (each send has a destination);
+for the backend's own collectives they are the same model (each peer receives its 1/N share; an all-reduce twice
+that; a broadcast: the source sends the whole buffer to every peer).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_strategy.core.transport import point_to_point as point_to_point_exchange
+from zero_strategy.core.transport.topology import INTRA_NODE, Replicas, Topology
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -36,10 +42,30 @@ class CommunicationLog:
     seconds_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Time this rank was blocked in collectives of each kind: communication *not* hidden behind compute (on a
     GPU, where NCCL runs on its own stream, this is the host-side time only)."""
+    bytes_by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Bytes this rank sent, by link ("intra_node" / "inter_node"): see the module docstring."""
+    topology: Topology | None = None  # None: every rank on one node
+    _members: dict[int, list[int]] = field(default_factory=dict)  # id(group) → its global ranks
 
     def record(self, kind: str, nbytes: int) -> None:
         self.bytes_by_kind[kind] += nbytes
         self.calls_by_kind[kind] += 1
+
+    def record_sends(self, group: ProcessGroup, bytes_per_peer: int, only_from: int | None = None) -> None:
+        """This rank sends ``bytes_per_peer`` to every other rank of ``group`` (``only_from``: only if this rank
+        is that global rank, as a broadcast's source)."""
+        if not (dist.is_available() and dist.is_initialized()) or bytes_per_peer == 0:
+            return
+        members = self._members.get(id(group))
+        if members is None:
+            members = self._members[id(group)] = dist.get_process_group_ranks(group or dist.group.WORLD)
+        me = dist.get_rank()
+        if only_from is not None and only_from != me:
+            return
+        for peer in members:
+            if peer != me:
+                link = INTRA_NODE if self.topology is None else self.topology.link(me, peer)
+                self.bytes_by_link[link] += bytes_per_peer
 
     @contextmanager
     def blocking(self, kind: str) -> Iterator[None]:
@@ -53,6 +79,7 @@ class CommunicationLog:
         self.bytes_by_kind.clear()
         self.calls_by_kind.clear()
         self.seconds_by_kind.clear()
+        self.bytes_by_link.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes_by_kind)
@@ -103,6 +130,7 @@ def all_gather_flat(
     """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order (``salt``: see
     :func:`point_to_point.all_gather`)."""
     log.record("all_gather", output.numel() * output.element_size())
+    log.record_sends(group, shard.numel() * shard.element_size())
     if _world(group) == 1:
         output.copy_(shard)
         return PendingGather(None, output)
@@ -120,13 +148,22 @@ def all_gather_flat(
 class PendingReduce:
     """A reduce-scatter started asynchronously; :meth:`wait` returns this rank's averaged slice.
 
-    It holds the flattened input until then (the sends read from it)."""
+    It holds the flattened input until then (the sends read from it). With ``replicas`` (hybrid sharding) the
+    averaged slice is then averaged over the replica group too (see [Note: hybrid sharding] in topology.py)."""
 
-    def __init__(self, work: Waitable | None, shard: Tensor, world: int, log: CommunicationLog) -> None:
+    def __init__(
+        self,
+        work: Waitable | None,
+        shard: Tensor,
+        world: int,
+        log: CommunicationLog,
+        replicas: tuple[Replicas, bool] | None = None,
+    ) -> None:
         self._work = work
         self._shard = shard
         self._world = world
         self._log = log
+        self._replicas = replicas  # (replica group, point-to-point), until the slice was averaged over it
 
     def watch(self, wrap: Callable[[Waitable], Waitable]) -> None:
         """Wait through ``wrap(work)`` instead (see [Note: diverging gathers] in gather_watch.py)."""
@@ -139,26 +176,61 @@ class PendingReduce:
                 self._work.wait()
             self._work = None
             self._shard.div_(self._world)
+        if self._replicas is not None:
+            (replicas, point_to_point), self._replicas = self._replicas, None
+            all_reduce_mean_over_replicas(self._shard, replicas, self._log, point_to_point)
         return self._shard
 
 
 def start_reduce_scatter_mean(
-    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
+    flat: Tensor,
+    group: ProcessGroup,
+    log: CommunicationLog,
+    point_to_point: bool = False,
+    replicas: Replicas | None = None,
 ) -> PendingReduce:
-    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor)."""
+    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor).
+    ``replicas``: the slice is then averaged over this rank's replica group as well (hybrid sharding)."""
     world = _world(group)
     log.record("reduce_scatter", flat.numel() * flat.element_size())
+    log.record_sends(group, flat.numel() * flat.element_size() // world)
     shard = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+    across = (replicas, point_to_point) if replicas is not None and replicas.count > 1 else None
     if world == 1:
         shard.copy_(flat)
-        return PendingReduce(None, shard, world, log)
+        return PendingReduce(None, shard, world, log, across)
     work: Waitable | None
     with log.blocking("reduce_scatter"):
         if point_to_point:
             work = point_to_point_exchange.reduce_scatter_sum(shard, flat, group)
         else:
             work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingReduce(work, shard, world, log)
+    return PendingReduce(work, shard, world, log, across)
+
+
+def all_reduce_mean_over_replicas(
+    tensor: Tensor, replicas: Replicas, log: CommunicationLog, point_to_point: bool = False
+) -> Tensor:
+    """Average ``tensor`` in place over the replica group. Point-to-point: a reduce-scatter then an all-gather of
+    the padded tensor, so every replica ends with bit-identical values (the sum runs in rank order everywhere) and
+    the bytes per link are exact; otherwise the backend's all-reduce."""
+    count, group = replicas.count, replicas.group
+    log.record("replica_all_reduce", tensor.numel() * tensor.element_size())
+    with log.blocking("replica_all_reduce"):
+        if not point_to_point:
+            log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // count)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        else:
+            chunk = -(-tensor.numel() // count)
+            padded = torch.zeros(chunk * count, dtype=tensor.dtype, device=tensor.device)
+            padded[: tensor.numel()].copy_(tensor)
+            mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+            log.record_sends(group, 2 * chunk * tensor.element_size())
+            point_to_point_exchange.reduce_scatter_sum(mine, padded, group).wait()
+            point_to_point_exchange.all_gather(padded, mine, group).wait()
+            tensor.copy_(padded[: tensor.numel()])
+        tensor.div_(count)
+    return tensor
 
 
 def reduce_scatter_mean(
@@ -171,6 +243,7 @@ def reduce_scatter_mean(
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Sum ``tensor`` in place over ranks (scalars: norms, overflow flags)."""
     log.record("all_reduce", tensor.numel() * tensor.element_size())
+    log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // _world(group))
     if _world(group) > 1:
         with log.blocking("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
@@ -180,6 +253,7 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
 def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Element-wise maximum of ``tensor`` in place over ranks (flags: "did any rank use this parameter")."""
     log.record("all_reduce", tensor.numel() * tensor.element_size())
+    log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // _world(group))
     if _world(group) > 1:
         with log.blocking("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -189,6 +263,7 @@ def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
 def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Overwrite ``tensor`` in place with rank ``src``'s copy (``src`` is a global rank)."""
     log.record("broadcast", tensor.numel() * tensor.element_size())
+    log.record_sends(group, tensor.numel() * tensor.element_size(), only_from=src)
     if _world(group) > 1:
         with log.blocking("broadcast"):
             dist.broadcast(tensor, src=src, group=group)
