@@ -12,6 +12,16 @@ from torch import Tensor, nn
 from helpers.models import SEQ, VOCAB, WIDTH, TiedLM
 
 
+def sinusoid_table(length: int, width: int) -> Tensor:
+    """The sin/cos positional table, computed with arange/exp/sin/cos (a buffer built from values at run time)."""
+    position = torch.arange(length).unsqueeze(1)
+    scale = torch.exp(torch.arange(0, width, 2) * (-math.log(10000.0) / width))
+    table = torch.zeros(length, width)
+    table[:, 0::2] = torch.sin(position * scale)
+    table[:, 1::2] = torch.cos(position * scale)
+    return table
+
+
 class TransformerLM(nn.Module):
     """nn.Transformer (parent re-initialization) between an embedding and a head, with a sin/cos position
     buffer computed in ``__init__`` and a random per-channel gain buffer drawn between parameter inits."""
@@ -23,12 +33,7 @@ class TransformerLM(nn.Module):
                                    dropout=0.0, batch_first=True)  # fmt: skip
         self.register_buffer("gain", 1 + 0.1 * torch.randn(width))
         self.head = nn.Linear(width, vocab)
-        position = torch.arange(SEQ).unsqueeze(1)
-        scale = torch.exp(torch.arange(0, width, 2) * (-math.log(10000.0) / width))
-        table = torch.zeros(SEQ, width)
-        table[:, 0::2] = torch.sin(position * scale)
-        table[:, 1::2] = torch.cos(position * scale)
-        self.register_buffer("positions", table)
+        self.register_buffer("positions", sinusoid_table(SEQ, width))
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.emb(tokens) + self.positions[: tokens.shape[1]]

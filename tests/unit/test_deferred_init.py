@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers.meta_models import sinusoid_table
 from torch import Tensor, nn
 
 from zero_strategy.core.deferred import DeferredInitError, ReplayPlan, materialize_module, record_construction
@@ -60,12 +61,7 @@ class PositionalWithNorm(nn.Module):
 
     def __init__(self, context: int = 12, width: int = 8) -> None:
         super().__init__()
-        position = torch.arange(context).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, width, 2) * (-math.log(10000.0) / width))
-        pe = torch.zeros(context, width)
-        pe[:, 0::2] = torch.sin(position * div_term)
-        pe[:, 1::2] = torch.cos(position * div_term)
-        self.register_buffer("pe", pe)
+        self.register_buffer("pe", sinusoid_table(context, width))
         self.register_buffer("scale", torch.tensor([0.5, 2.0]))
         self.norm = nn.BatchNorm1d(width)
         self.embed = nn.Embedding(10, width, padding_idx=3)

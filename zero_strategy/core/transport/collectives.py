@@ -242,21 +242,20 @@ def reduce_scatter_mean(
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Sum ``tensor`` in place over ranks (scalars: norms, overflow flags)."""
-    log.record("all_reduce", tensor.numel() * tensor.element_size())
-    log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // _world(group))
-    if _world(group) > 1:
-        with log.blocking("all_reduce"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    return _all_reduce(tensor, group, log, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Element-wise maximum of ``tensor`` in place over ranks (flags: "did any rank use this parameter")."""
+    return _all_reduce(tensor, group, log, dist.ReduceOp.MAX)
+
+
+def _all_reduce(tensor: Tensor, group: ProcessGroup, log: CommunicationLog, op: Any) -> Tensor:
     log.record("all_reduce", tensor.numel() * tensor.element_size())
     log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // _world(group))
     if _world(group) > 1:
         with log.blocking("all_reduce"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
