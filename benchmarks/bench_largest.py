@@ -159,7 +159,8 @@ def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str) ->
         built.step()
         times.append(time.perf_counter() - start)
     result = {**setup, "train_peak": _vm("VmHWM") - baseline, "step_s": times[-1], "disk": 0}
-    result["disk"] = _allocated_bytes(nvme_dir) if method == "zero3_offload_nvme" else 0
+    if placement is not None and placement.store is not None:  # this rank's files only (both share nvme_dir)
+        result["disk"] = _allocated_bytes(str(placement.store.folder))
     if built.engine is not None:
         built.engine.release()
     return result
@@ -201,10 +202,16 @@ class Row:
         return max(self.setup_peak, self.train_peak)
 
 
+def params_of(size: str) -> int:
+    """Ψ of the size's model, built on the meta device (the tied output weight counted once)."""
+    with torch.device("meta"):
+        return parameter_count(BenchGPT(shape_of(size)))
+
+
 def measure(sizes: Sequence[str], methods: Sequence[str], reps: int, timeout_s: float) -> list[Row]:
     rows = []
     for size in sizes:
-        params = parameter_count(BenchGPT(shape_of(size)).to("meta"))
+        params = params_of(size)
         for method in methods:
             row = Row(size, method, params)
             if method == "deepspeed_zero3":
@@ -255,7 +262,7 @@ def _format_row(row: Row, peaks: Peaks | None) -> str:
     if row.skipped:
         return head + f" skipped: {row.skipped} |"
     setup_p = peaks.setup.device + peaks.setup.host if peaks else None
-    train_p = peaks.training.device + peaks.training.host if peaks else None
+    train_p = peaks.training_ram(compute_on_host=True) if peaks else None
     cells = [_mib(row.setup_peak), _mib(setup_p) if setup_p else "—", _ratio(row.setup_peak, setup_p),
              _mib(row.train_peak), _mib(train_p) if train_p else "—", _ratio(row.train_peak, train_p),
              _mib(row.disk) if row.disk else "—", f"{row.step_s:.2f}"]  # fmt: skip
@@ -345,7 +352,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> str:
     args = parse_args(argv)
     if args.load:
-        rows = [Row(**row) for row in json.loads(Path(args.load).read_text())]
+        rows = [Row(**{**row, "params": params_of(row["size"])}) for row in json.loads(Path(args.load).read_text())]
     else:
         rows = measure(args.sizes.split(","), args.methods.split(","), args.reps, args.timeout)
     if args.json:

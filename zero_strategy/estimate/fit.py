@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_strategy.estimate.memory import CONFIGURATIONS, MemoryEstimate, Placed, describe_model, estimate_memory
+from zero_strategy.estimate.memory import (
+    CONFIGURATIONS,
+    OPTIMIZER_STATE_BYTES,
+    MemoryEstimate,
+    Placed,
+    describe_model,
+    estimate_memory,
+)
 
 HEADROOM = 0.15  # the share of RAM (and disk) the largest-model search leaves free
 
@@ -46,14 +53,48 @@ class Peaks:
 
     @property
     def training(self) -> Placed:
-        return self.estimate.total
+        return training_peak(self.estimate)
 
     def ram(self, compute_on_host: bool) -> int:
         """Bytes of host memory at the worse of the two peaks (the device's too when the ranks compute on CPUs)."""
-        return max(_ram(self.setup, compute_on_host), _ram(self.training, compute_on_host))
+        phases = (self.setup, *training_phases(self.estimate))
+        return max(_ram(phase, compute_on_host) for phase in phases)
+
+    def training_ram(self, compute_on_host: bool) -> int:
+        return max(_ram(phase, compute_on_host) for phase in training_phases(self.estimate))
 
     def device(self) -> int:
         return max(self.setup.device, self.training.device)
+
+
+def training_phases(e: MemoryEstimate) -> tuple[Placed, ...]:
+    """What is resident at the training peak(s) per rank: the estimate's total, except with nvme offload, where
+    forward/backward and the optimizer step peak at different times (see [Note: the nvme step's peak])."""
+    if e.offload_optimizer != "nvme":
+        return (e.total,)
+    state_bytes = OPTIMIZER_STATE_BYTES[e.optimizer]
+    chunk = e.optimizer_state.host  # one chunk's masters + state, resident while it steps
+    fresh = chunk * state_bytes // (4 + state_bytes)  # the first step's new state, in memory beside its file copy
+    files = Placed(nvme=e.master.nvme + e.optimizer_state.nvme)
+    step = e.gradients + Placed(host=chunk + fresh) + files  # the masters are in `files`
+    compute = e.parameters + e.communication + e.activations + e.gradients + files
+    return compute, step
+
+
+def training_peak(e: MemoryEstimate) -> Placed:
+    """Each place's training peak (on a GPU the device and the host may peak in different phases)."""
+    phases = training_phases(e)
+    return Placed(*(max(getattr(p, place) for p in phases) for place in ("device", "host", "nvme")))
+
+
+# [Note: the nvme step's peak]
+# With nvme offload the masters and optimizer state live in files and the step runs chunk by chunk, so the two
+# large transient sets never meet: forward/backward holds the gathered units and the reduce buffers, the step holds
+# one chunk's masters and state (pages of the files) and, at the first step, that chunk's new state as AdamW
+# creates it in memory before it is copied into its file (so 4 + 2 x 8 bytes per chunk element with AdamW, not
+# 4 + 8). Gradient slices are in host memory throughout. Measured (benchmarks/bench_largest.py, 54.6 M parameters,
+# 2 ranks): 438 MiB; the sum of every category's peak would say 386 MiB without the first step's state and 514 MiB
+# with it, the larger phase 424 MiB.
 
 
 def _ram(placed: Placed, compute_on_host: bool) -> int:
@@ -97,7 +138,9 @@ def setup_peak(
 class GPTShape:
     """A GPT of ``benchmarks/bench_model.py``'s layout, by counts alone: token + position embeddings, ``n_layer``
     pre-norm blocks of width ``width`` (attention + 4× MLP, biases, two LayerNorms), a final LayerNorm and an
-    output layer tied to the token embedding."""
+    output layer tied to the token embedding. The embeddings count as the root unit (whole through a stage-3
+    forward/backward), as planned when they are below ``min_unit_numel``; above it each is its own unit, and the
+    root then is an overestimate by a few units' worth of small terms."""
 
     n_layer: int
     width: int
@@ -141,11 +184,12 @@ class GPTFamily:
 Subject = nn.Module | float | GPTShape
 
 
-def model_facts(subject: Subject, world_size: int, largest_unit: int | None = None) -> ModelFacts:
+def model_facts(subject: Subject, world_size: int, **options: Any) -> ModelFacts:
     """The set-up arithmetic's view of a model (planned as the engine would), a GPT shape or a bare count (units
     guessed as in :mod:`.memory`; the largest tensor then assumed as large as a unit: conservative)."""
     if isinstance(subject, nn.Module):
-        shape = describe_model(subject)
+        keys = ("precision", "unit_modules", "min_unit_numel")  # how the engine would plan the units
+        shape = describe_model(subject, **{key: options[key] for key in keys if key in options})
         unit = max(sum(f.numel for f in flats) for flats in (shape.root, shape.largest))
         biggest = max((p.numel() for p in subject.parameters()), default=0)
         padded = sum(f.padded(world_size) for f in shape.flats)
@@ -156,7 +200,7 @@ def model_facts(subject: Subject, world_size: int, largest_unit: int | None = No
         from zero_strategy.estimate.memory import guess_unit_numel
 
         psi = round(float(subject))
-        unit = min(psi, largest_unit or guess_unit_numel(psi))
+        unit = min(psi, options.get("largest_unit_numel") or guess_unit_numel(psi))
         biggest = unit
     return ModelFacts(psi, -(-psi // world_size), unit, biggest)
 
@@ -172,7 +216,7 @@ def compare_peaks(
         counted: nn.Module | float = subject.num_params
     else:
         counted = subject
-    facts = model_facts(subject, world_size, options.get("largest_unit_numel"))
+    facts = model_facts(subject, world_size, **options)
     peaks = []
     for stage, opt, par in CONFIGURATIONS:
         e = estimate_memory(counted, world_size=world_size, stage=stage, offload_optimizer=opt, offload_param=par,
