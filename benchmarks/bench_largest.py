@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -109,7 +108,7 @@ def _build_fsdp2(shape: ModelShape, nvme_dir: str) -> Built:
 
 
 def _build_zero(shape: ModelShape, nvme_dir: str, nvme: bool) -> Built:
-    from zero_strategy.config import ZeroConfig
+    from zero_strategy.config import OffloadDevice, ZeroConfig
     from zero_strategy.core.deferred import record_construction
     from zero_strategy.core.engine import ZeroEngine
     from zero_strategy.core.materialize import InitialValues
@@ -117,8 +116,11 @@ def _build_zero(shape: ModelShape, nvme_dir: str, nvme: bool) -> Built:
     with record_construction() as recording:
         model = BenchGPT(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    offload = {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": nvme_dir} if nvme else {}
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, **offload), initial_values=InitialValues(recording))
+    config = ZeroConfig(stage=3)
+    if nvme:
+        nvme_files = OffloadDevice.nvme
+        config = ZeroConfig(stage=3, offload_optimizer=nvme_files, offload_param=nvme_files, nvme_path=nvme_dir)
+    engine = ZeroEngine(model, [optimizer], config, initial_values=InitialValues(recording))
     return Built(model, optimizer, lambda: engine.optimizer_step(optimizer), engine)
 
 
@@ -265,12 +267,13 @@ def _format_row(row: Row, peaks: Peaks | None) -> str:
     train_p = peaks.training_ram(compute_on_host=True) if peaks else None
     cells = [_mib(row.setup_peak), _mib(setup_p) if setup_p else "—", _ratio(row.setup_peak, setup_p),
              _mib(row.train_peak), _mib(train_p) if train_p else "—", _ratio(row.train_peak, train_p),
-             _mib(row.disk) if row.disk else "—", f"{row.step_s:.2f}"]  # fmt: skip
+             _mib(row.disk) if row.disk else "—", _mib(peaks.training.nvme) if peaks and row.disk else "—",
+             f"{row.step_s:.2f}"]  # fmt: skip
     return head + "".join(f" {cell:>8} |" for cell in cells)
 
 
 HEADER = ("| size  | params   | method              | setup MiB | predicted | ratio | train MiB | predicted | ratio |"
-          " disk MiB | s/step |")
+          " disk MiB | predicted | s/step |")
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -361,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     report = "\n".join([
         f"Peak RSS per rank above the pre-model baseline (MiB), {WORLD} gloo ranks, AdamW, batch {BATCH} x {SEQ} "
         f"tokens, {STEPS} steps; predicted = zero-estimate (meta-built set-up; training = its total on CPU ranks).",
-        "", format_table(rows), "", *project(rows, args.ram * GiB, disk), "", *estimator_projection(args.ram * GiB, disk),
+        "", format_table(rows), "", *project(rows, args.ram * GiB, disk),
+        "", *estimator_projection(args.ram * GiB, disk),
     ])  # fmt: skip
     print(report)
     return report

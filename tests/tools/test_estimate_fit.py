@@ -9,6 +9,7 @@ tested in test_bench_largest.py.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +118,7 @@ def test_largest_model_fits_and_the_next_does_not():
 
 
 def test_machine_and_family_refuse_bad_input():
-    with pytest.raises(ValueError, match="ram= .* or device_memory="):
+    with pytest.raises(ValueError, match=r"ram= .* or device_memory="):
         Machine(disk=1e9)
     with pytest.raises(ValueError, match="headroom"):
         Machine(ram=1e9, headroom=1.5)
@@ -151,6 +152,8 @@ def test_cli_reports_peaks_and_the_largest_model():
     for flag in ("--meta-init", "--no-meta-init"):
         done = _cli("--params", "1B", "--world-size", "2", "--ram", "24GB", flag)
         assert done.returncode == 0, done.stderr
-        row = next(line for line in done.stdout.splitlines()[::-1] if line.startswith("zero3 "))
-        table[flag] = float(row.split()[1])  # set-up bytes on the compute device (here: RAM), GiB
-    assert table["--no-meta-init"] > 3 * table["--meta-init"]  # a whole replica versus one rank's share
+        rows = [re.split(r"\s{2,}", line) for line in done.stdout.split("Set-up and training peak")[1].splitlines()]
+        row = next(cells for cells in rows if cells[0] == "zero3")
+        table[flag] = float(row[1])  # set-up bytes on the compute device (here: RAM), GiB
+    # built eagerly every rank also holds a whole replica (4Ψ = 3.73 GiB) during set-up
+    assert 3.6 < table["--no-meta-init"] - table["--meta-init"] < 3.9
