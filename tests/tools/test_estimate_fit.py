@@ -132,7 +132,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(60)
-def test_cli_reports_peaks_and_the_largest_model():
+def test_cli_reports_peaks_and_the_largest_model(capsys):
     from zero_strategy.estimate.cli import main
 
     done = _cli("--largest", "--family", "gpt", "--family-kwargs", '{"vocab": 8192, "max_seq": 128}',
@@ -150,9 +150,9 @@ def test_cli_reports_peaks_and_the_largest_model():
             main(argv)
     table = {}
     for flag in ("--meta-init", "--no-meta-init"):
-        done = _cli("--params", "1B", "--world-size", "2", "--ram", "24GB", flag)
-        assert done.returncode == 0, done.stderr
-        rows = [re.split(r"\s{2,}", line) for line in done.stdout.split("Set-up and training peak")[1].splitlines()]
+        assert main(["--params", "1B", "--world-size", "2", "--ram", "24GB", flag]) == 0
+        out = capsys.readouterr().out
+        rows = [re.split(r"\s{2,}", line) for line in out.split("Set-up and training peak")[1].splitlines()]
         row = next(cells for cells in rows if cells[0] == "zero3")
         table[flag] = float(row[1])  # set-up bytes on the compute device (here: RAM), GiB
     # built eagerly every rank also holds a whole replica (4Ψ = 3.73 GiB) during set-up
