@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from zero_strategy.core.transport.topology import Topology
-from zero_strategy.estimate.memory import OPTIMIZER_STATE_BYTES, MemoryEstimate, compare, first_fitting
+from zero_strategy.estimate.fit import GPTFamily, Largest, Machine, Peaks, compare_peaks, largest_fitting, parse_family
+from zero_strategy.estimate.memory import CONFIGURATIONS, OPTIMIZER_STATE_BYTES, MemoryEstimate, first_fitting
 from zero_strategy.estimate.network import estimate_traffic, format_traffic
 
 GiB = 2**30
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-rank memory of every ZeRO stage with and without offload, and the cheapest that fits.",
         epilog=f"Example, fine-tuning a 65B model on 8 x 80 GB GPUs:  {EXAMPLE}",
     )
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--params", type=parse_count, help="parameter count: 7e9, 7B, 350M")
     what.add_argument("--model", help="package.module:ClassName, constructed with no arguments")
     parser.add_argument("--model-kwargs", help='JSON keywords for --model, e.g. \'{"n_layers": 24}\'')
@@ -84,8 +85,50 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, help="nodes: also predict bytes per link and communication time per step")
     parser.add_argument("--intra-gbps", type=float, default=100.0, help="bandwidth inside a node, Gbit/s per rank")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="bandwidth across nodes, Gbit/s per rank")
+    parser.add_argument("--ram", type=parse_bytes, help="RAM of one node, shared by its ranks; without "
+                        "--device-memory the ranks compute on CPUs (their device bytes are RAM)")
+    parser.add_argument("--disk", type=parse_bytes, help="free space of the nvme path on one node")
+    parser.add_argument("--largest", action="store_true", help="the largest model each configuration fits into "
+                        "--ram/--disk/--device-memory (15%% headroom): of --family, else a bare parameter count")
+    parser.add_argument("--family", help="with --largest: 'gpt' (width = width_per_layer x layers)")
+    parser.add_argument("--family-kwargs", help='JSON for --family, e.g. \'{"width_per_layer": 64, "vocab": 8192, '
+                        '"max_seq": 128}\' (defaults 64, 50257, 1024)')
+    parser.add_argument("--meta-init", action=argparse.BooleanOptionalAction, default=True,
+                        help="set-up of a model built on the meta device (configure_model); default: on. "
+                        "--no-meta-init: built eagerly, whole on every rank before the engine shards it")
     parser.add_argument("--plot", metavar="FILE.png", help="stacked bar chart per configuration (needs matplotlib)")
     return parser
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The estimate's keywords from the command line (``--ram`` without ``--device-memory``: CPU ranks)."""
+    return {
+        "precision": args.precision, "optimizer": args.optimizer, "largest_unit_numel": args.largest_unit_params,
+        "root_unit_numel": args.root_unit_params, "prefetch": not args.no_prefetch,
+        "activation_bytes": None if args.activations is None else int(args.activations),
+        "compute_device": "cpu" if args.ram is not None and args.device_memory is None else "cuda",
+    }  # fmt: skip
+
+
+def _machine(args: argparse.Namespace) -> Machine:
+    ranks = args.gpus_per_node or (min(8, args.world_size) if args.device_memory is not None else args.world_size)
+    return Machine(ram=args.ram, disk=args.disk, device_memory=args.device_memory, ranks_per_node=ranks)
+
+
+def _largest(args: argparse.Namespace) -> str:
+    if args.model:
+        raise ValueError("--largest searches a family or a parameter count, not one --model: use --family gpt")
+    if args.ram is None and args.device_memory is None:
+        raise ValueError("--largest needs the machine: --ram (CPU ranks; --disk for nvme) or --device-memory")
+    family = parse_family(args.family, json.loads(args.family_kwargs) if args.family_kwargs else None) \
+        if args.family else None  # fmt: skip
+    options = _options(args)
+    if family is not None:  # its shapes give the units; a guess would override them
+        options.update(largest_unit_numel=None, root_unit_numel=None)
+    machine = _machine(args)
+    results = largest_fitting(machine, world_size=args.world_size, family=family, meta_init=args.meta_init,
+                              **options)  # fmt: skip
+    return format_largest(results, machine, family, args.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,22 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes is not None:
         args.gpus_per_node = args.gpus_per_node or 1
         args.world_size = args.nodes * args.gpus_per_node
+    if not args.largest and args.params is None and args.model is None:
+        raise SystemExit("zero-estimate: give --params or --model (or --largest with --ram / --device-memory)")
     if args.plot:
         require_matplotlib()  # before the work, so a missing package costs nothing
-    subject: nn.Module | float = load_model(args.model, args.model_kwargs) if args.model else args.params
     try:
-        estimates = compare(
-            subject, world_size=args.world_size, precision=args.precision, optimizer=args.optimizer,
-            largest_unit_numel=args.largest_unit_params, root_unit_numel=args.root_unit_params,
-            activation_bytes=None if args.activations is None else int(args.activations),
-            prefetch=not args.no_prefetch,
-        )  # fmt: skip
+        if args.largest:
+            print(_largest(args))
+            return 0
+        subject: nn.Module | float = load_model(args.model, args.model_kwargs) if args.model else args.params
+        peaks = compare_peaks(subject, world_size=args.world_size, meta_init=args.meta_init, **_options(args))
     except ValueError as error:
         raise SystemExit(f"zero-estimate: {error}") from None
+    estimates = [p.estimate for p in peaks]
     host_per_rank = None
     if args.host_memory is not None:
         host_per_rank = args.host_memory / (args.gpus_per_node or min(8, args.world_size))
     print(format_report(estimates, args.device_memory, host_per_rank))
+    print("\n" + format_peaks(peaks, _machine(args) if args.ram or args.device_memory else None))
     if args.nodes is not None:
         count = float(sum(p.numel() for p in subject.parameters())) if isinstance(subject, nn.Module) else subject
         print(_traffic_report(args, count))
@@ -130,6 +175,53 @@ def _traffic_report(args: argparse.Namespace, param_count: float) -> str:
                 for k in layouts]
         blocks.append(format_traffic(rows, stage))
     return "\n".join(blocks)
+
+
+# ------------------------------------------------------------------------------------------- peaks, largest
+def format_peaks(peaks: Sequence[Peaks], machine: Machine | None) -> str:
+    """Set-up and training peak per rank of every configuration (GiB) and, given a machine, whether it fits."""
+    on_host = machine is None or machine.device_memory is None
+    how = "built on the meta device (configure_model)" if peaks[0].meta_init else "built eagerly on every rank"
+    header = ["configuration", "setup dev", "setup host", "train dev", "train host", "nvme", "RAM/rank"]
+    rows = []
+    for p in peaks:
+        cells = [p.estimate.label, _gib(p.setup.device), _gib(p.setup.host), _gib(p.training.device),
+                 _gib(p.training.host), _gib(max(p.setup.nvme, p.training.nvme)), _gib(p.ram(on_host))]  # fmt: skip
+        rows.append([*cells, "yes" if machine.fits(p) else "no"] if machine is not None else cells)
+    if machine is not None:
+        header.append("fits")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"Set-up and training peak per rank (GiB), model {how}"
+             + ("; --no-meta-init for an eager build" if peaks[0].meta_init else "") + ":", "",
+             _row(header, widths), _row(["-" * w for w in widths], widths)]  # fmt: skip
+    lines += [_row(r, widths) for r in rows]
+    if machine is not None:
+        lines.append(f"\nfits: {machine.ranks_per_node} ranks x RAM/rank within {1 - machine.headroom:.0%} of the RAM "
+                     "(and of the disk for nvme, of the device memory on GPUs)")
+    return "\n".join(lines)
+
+
+def format_largest(results: Sequence[Largest], machine: Machine, family: GPTFamily | None, world_size: int) -> str:
+    """The largest model of each configuration that fits the machine."""
+    budget = ", ".join(f"{name} {value / GiB:.0f} GiB" for name, value in
+                       (("RAM", machine.ram), ("disk", machine.disk), ("device", machine.device_memory)) if value)
+    what = (f"GPT family (width = {family.width_per_layer} x layers, vocab {family.vocab})" if family
+            else "a bare parameter count (units guessed)")  # fmt: skip
+    lines = [f"Largest model per configuration: {what}; {world_size} ranks, {machine.ranks_per_node} per node, "
+             f"{budget}, {machine.headroom:.0%} headroom; set-up "
+             + ("meta-built" if results[0].peaks is None or results[0].peaks.meta_init else "eager") + ".", ""]
+    for result, config in zip(results, CONFIGURATIONS, strict=True):
+        label = " ".join([f"zero{config[0]}"] + [f"{w}→{d}" for w, d in (("opt", config[1]), ("param", config[2]))
+                                                 if d != "none"])  # fmt: skip
+        if result.peaks is None:
+            lines.append(f"{label:<28} nothing fits")
+            continue
+        shape = f" ({result.shape.n_layer} layers, width {result.shape.width})" if result.shape else ""
+        p = result.peaks
+        lines.append(f"{label:<28} {p.estimate.num_params / 1e9:8.3f} B params{shape}: RAM/rank "
+                     f"{_gib(p.ram(machine.device_memory is None))} GiB, nvme/rank "
+                     f"{_gib(max(p.setup.nvme, p.training.nvme))} GiB")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------- table
