@@ -43,7 +43,7 @@ from benchmarks.bench_model import BenchGPT, ModelShape, lm_loss, parameter_coun
 from zero_strategy.estimate.fit import GPTFamily, Machine, Peaks, compare_peaks, largest_fitting
 
 FAMILY = GPTFamily(width_per_layer=64, vocab=8192, max_seq=128)
-SIZES = {"tiny": 2, "50m": 10, "150m": 14, "400m": 20}  # n_layer: 1.5 M, 54.6 M, 142.5 M, 404.2 M parameters
+SIZES = {"tiny": 2, "50m": 10, "150m": 14, "400m": 20, "3b": 40}  # n_layer: 1.5 M, 54.6 M, 142.5 M, 404.2 M, 3.17 B
 METHODS = ("ddp", "fsdp2", "zero3", "zero3_offload_nvme", "deepspeed_zero3")
 PREDICTED = {"zero3": ("zero3", (3, "none", "none")), "zero3_offload_nvme": ("zero3", (3, "nvme", "nvme"))}
 WORLD, BATCH, SEQ, STEPS, LR = 2, 1, 16, 2, 1e-3
@@ -136,12 +136,12 @@ def _allocated_bytes(folder: str) -> int:
     return sum(path.stat().st_blocks * 512 for path in Path(folder).rglob("*") if path.is_file())
 
 
-def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str) -> dict[str, Any]:
+def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str, steps: int = STEPS) -> dict[str, Any]:
     """One method at one size on one rank (see [Note: what the benchmark measures])."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed multi-page buffers leave the heap
     torch.set_num_threads(1)
     shape = shape_of(size)
-    batches = rank_batches(shape, STEPS, BATCH, SEQ, rank, world)
+    batches = rank_batches(shape, steps, BATCH, SEQ, rank, world)
     warm_up_kernels()
     baseline = _vm("VmRSS")
     _reset_peak()
@@ -168,14 +168,14 @@ def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str) ->
     return result
 
 
-def run_fresh(method: str, size: str, timeout_s: float) -> list[dict[str, Any]]:
+def run_fresh(method: str, size: str, timeout_s: float, steps: int = STEPS) -> list[dict[str, Any]]:
     """Both ranks of one (method, size) in a new interpreter; its nvme files in a temporary directory."""
     nvme_dir = tempfile.mkdtemp(prefix="bench-largest-")
     code = ("import json, sys; from zero_strategy.testing import run_ranks; from benchmarks import bench_largest as b; "
-            "print(json.dumps(run_ranks(b.rank_worker, 2, *sys.argv[1:4], timeout_s=float(sys.argv[-1]) - 10,"
-            " pg_timeout_s=120)))")  # fmt: skip
+            "print(json.dumps(run_ranks(b.rank_worker, 2, *sys.argv[1:4], int(sys.argv[4]),"
+            " timeout_s=float(sys.argv[-1]) - 10, pg_timeout_s=120)))")  # fmt: skip
     try:
-        done = subprocess.run([sys.executable, "-c", code, method, size, nvme_dir, str(timeout_s)],
+        done = subprocess.run([sys.executable, "-c", code, method, size, nvme_dir, str(steps), str(timeout_s)],
                               capture_output=True, text=True, timeout=timeout_s + 30, cwd=Path(__file__).parents[1])
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -210,7 +210,7 @@ def params_of(size: str) -> int:
         return parameter_count(BenchGPT(shape_of(size)))
 
 
-def measure(sizes: Sequence[str], methods: Sequence[str], reps: int, timeout_s: float) -> list[Row]:
+def measure(sizes: Sequence[str], methods: Sequence[str], reps: int, timeout_s: float, steps: int = STEPS) -> list[Row]:
     rows = []
     for size in sizes:
         params = params_of(size)
@@ -223,7 +223,7 @@ def measure(sizes: Sequence[str], methods: Sequence[str], reps: int, timeout_s: 
                 continue
             for _ in range(reps):
                 try:
-                    ranks = run_fresh(method, size, timeout_s)
+                    ranks = run_fresh(method, size, timeout_s, steps)
                 except (RuntimeError, subprocess.TimeoutExpired) as error:
                     row.skipped = f"failed: {str(error)[:120]}"
                     break
@@ -337,6 +337,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="50m,150m", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--reps", type=int, default=1, help="repetitions (the largest figure is kept)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run (default {STEPS})")
     parser.add_argument("--ram", type=float, default=24.0, help="GiB of RAM to project for (default 24)")
     parser.add_argument("--disk", type=float, help="GiB of disk for nvme (default: free space of the temp dir)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -357,13 +358,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.load:
         rows = [Row(**{**row, "params": params_of(row["size"])}) for row in json.loads(Path(args.load).read_text())]
     else:
-        rows = measure(args.sizes.split(","), args.methods.split(","), args.reps, args.timeout)
+        rows = measure(args.sizes.split(","), args.methods.split(","), args.reps, args.timeout, args.steps)
     if args.json:
         Path(args.json).write_text(json.dumps([{k: getattr(row, k) for k in Row.__slots__} for row in rows]))
     disk = (args.disk * GiB) if args.disk is not None else shutil.disk_usage(tempfile.gettempdir()).free
     report = "\n".join([
         f"Peak RSS per rank above the pre-model baseline (MiB), {WORLD} gloo ranks, AdamW, batch {BATCH} x {SEQ} "
-        f"tokens, {STEPS} steps; predicted = zero-estimate (meta-built set-up; training = its total on CPU ranks).",
+        f"tokens, {args.steps} steps; predicted = zero-estimate (meta-built set-up; training = its total on CPU "
+        "ranks).",
         "", format_table(rows), "", *project(rows, args.ram * GiB, disk),
         "", *estimator_projection(args.ram * GiB, disk),
     ])  # fmt: skip

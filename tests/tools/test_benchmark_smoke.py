@@ -29,9 +29,9 @@ def test_tiny_benchmark_reports_ddp_and_zero3(capsys):
     for method, cells in rows.items():
         assert "n/a" not in cells[1], f"{method} failed: {cells[1]}"
         assert float(cells[1]) > 0
-    ddp_state, zero3_state = _mib(rows["ddp"][3]), _mib(rows["zero3"][3])
+    ddp_state, zero3_state = _mib(rows["ddp"][4]), _mib(rows["zero3"][4])
     assert 0 < zero3_state < ddp_state
     # each measured state is its theory (the walk is exact up to AdamW's scalar `step` tensors and padding)
     for cells in rows.values():
-        assert cells[5].endswith("x") and abs(float(cells[5][:-1]) - 1.0) < 0.05
+        assert cells[6].endswith("x") and abs(float(cells[6][:-1]) - 1.0) < 0.05
     assert "MISMATCH" not in report and "disagrees" not in report

@@ -170,6 +170,7 @@ class CommunicationProfiler(Callback):
             blocked = sum(r.blocked_s[kind] for r in steps) / count
             rate = f"{sent / blocked / 1e6:.0f}" if blocked > 0 else "-"
             lines.append(f"| {kind} | {sent / 2**20:.2f} | {blocked * 1000:.1f} | {rate} |")
-        links = ", ".join(f"{link} {sum(r.bytes_by_link[link] for r in steps) / count / 2**20:.2f}" for link in LINKS)
+        per_link = {link: sum(r.bytes_by_link.get(link, 0) for r in steps) / count for link in LINKS}
+        links = ", ".join(f"{link} {sent / 2**20:.2f}" for link, sent in per_link.items())
         lines.append(f"MiB sent by this rank per step, by link: {links}")
         return "\n".join(lines)
