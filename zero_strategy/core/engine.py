@@ -105,6 +105,7 @@ class ZeroEngine:
         self.comm_log = CommunicationLog(topology=layout.topology)
         self._unused_saved: dict[int, Saved] = {}
         self._overflow_found: dict[int, bool] = {}  # optimizer index -> unscaled this step; did any rank overflow
+        self._agreed: set[int] = set()  # optimizer indices whose used-parameter agreement this step is done
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         materialize_on = check_materializable(module, initial_values)
@@ -171,6 +172,7 @@ class ZeroEngine:
     def _on_zero_grad(self, optimizer_index: int) -> None:
         """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
         self._overflow_found.pop(optimizer_index, None)
+        self._agreed.discard(optimizer_index)
         for flat in self._flat_params_of(optimizer_index):
             flat.discard_grads()
 
@@ -245,20 +247,7 @@ class ZeroEngine:
         Stage 1 reduce-scatters here (the accumulation boundary); stages 2/3 already did during backward.
         """
         index = self.optimizer_index(optimizer)
-        # Which parameters some rank used this step (see [Note: unused parameters] in unused.py); at stage 1 it
-        # also tells which FlatParams every rank must reduce, zeros included where this rank has no gradient.
-        flats = list(self._flat_params_of(index))
-        everyone = self.ctx.everyone  # a parameter used in one shard group is reduced over its replicas everywhere
-        self._collective("agreement on used parameters", lambda: agree_on_used(flats, everyone, self.comm_log))
-        if self.watch is not None:
-            self.watch.check_same_gathers(self.comm_log)
-        at_boundary = None if self.stage.reduces_every_microstep else _used_by_some_rank
-        # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
-        # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
-        for unit in self.units:
-            unit.start_reduce(index, force=at_boundary)
-        for unit in self.units:
-            unit.finish_reduce()
+        self.reduce_pending(optimizer)
         # parameters that produced no gradient on any rank must not move
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
         if self.shared is not None:
@@ -266,13 +255,28 @@ class ZeroEngine:
 
     def reduce_pending(self, optimizer: Optimizer) -> None:
         """Reduce-scatter ``optimizer``'s gradients that are still on the module (stage 1 keeps them there until
-        the step) into its master pieces. Clipping and the overflow check call it, because under manual
-        optimization they run before ``prepare_step`` (between backward and ``opt.step()``). Reducing releases the
-        module's gradients, so a second call, or ``prepare_step`` after it, finds nothing left to send: the
-        gradients are reduced exactly once per step. Collective (every rank calls it at the same point)."""
+        the step) into its master pieces. ``prepare_step`` calls it, and so do clipping and the overflow check,
+        because under manual optimization they run before the step (between backward and ``opt.step()``).
+        Reducing releases the module's gradients, so a later call finds nothing left to send: the gradients are
+        reduced exactly once per step. Collective (every rank calls it at the same point).
+
+        The first call of a step agrees on which parameters some rank used (see [Note: unused parameters] in
+        unused.py); at stage 1 every rank then reduces every FlatParam some rank used, with zeros where it has no
+        gradient, so the ranks issue the same reductions."""
         index = self.optimizer_index(optimizer)
+        force = None
+        if index not in self._agreed:
+            flats = list(self._flat_params_of(index))
+            everyone = self.ctx.everyone  # a parameter used in one shard group is reduced over its replicas
+            self._collective("agreement on used parameters", lambda: agree_on_used(flats, everyone, self.comm_log))
+            if self.watch is not None:
+                self.watch.check_same_gathers(self.comm_log)
+            self._agreed.add(index)
+            force = None if self.stage.reduces_every_microstep else _used_by_some_rank
+        # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
+        # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
-            unit.start_reduce(index)
+            unit.start_reduce(index, force=force)
         for unit in self.units:
             unit.finish_reduce()
 
@@ -312,6 +316,7 @@ class ZeroEngine:
     def discard_grads(self, optimizer: Optimizer) -> None:
         """Drop all gradients of ``optimizer``'s parameters (a skipped step changes nothing)."""
         self._overflow_found.pop(self.optimizer_index(optimizer), None)
+        self._agreed.discard(self.optimizer_index(optimizer))
         self._unused_saved.pop(self.optimizer_index(optimizer), None)
         for flat in self._flat_params_of(self.optimizer_index(optimizer)):
             flat.discard_grads()
@@ -351,6 +356,7 @@ class ZeroEngine:
         gathered copy so the next forward gathers the new values."""
         index = self.optimizer_index(optimizer)
         self._overflow_found.pop(index, None)
+        self._agreed.discard(index)
         restore_unused(self._unused_saved.pop(index, []))
         refreshing = []
         for flat in self._flat_params_of(index):

@@ -31,14 +31,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
-from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY, copy_module_into_shards, save_module_weights
+from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -56,6 +56,7 @@ from zero_strategy.lightning.precision_selection import to_zero_precision
 from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.lightning.rank_exit import report_rank_finished
+from zero_strategy.lightning.save_without_engine import save_without_engine
 from zero_strategy.lightning.sharded_init import ConstructionRecorder, initial_values
 from zero_strategy.names import STRATEGY_NAMES
 
@@ -132,6 +133,11 @@ class ZeroStrategy(ParallelStrategy):
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
     # ------------------------------------------------------------------------------------------ topology
+    @property
+    def start_method(self) -> str:
+        """"popen" (the script re-run per rank, like ``ddp``) or a multiprocessing start method ("spawn", ...)."""
+        return self._start_method
+
     @property
     def is_distributed(self) -> bool:
         # Lightning reads this for custom strategies: without it there is no DistributedSampler and
@@ -397,37 +403,8 @@ class ZeroStrategy(ParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
-        self._save_unsharded(checkpoint, path)
-
-    def _save_unsharded(self, checkpoint: dict[str, Any], path: _PATH) -> None:
-        """A save after fit (or outside any fit) still writes a sharded directory: see [Note: saving after fit]
-        in zero_strategy/checkpoint/unsharded.py."""
-        module = self.lightning_module
-        assert module is not None
-        engine = self._fit_engine
-        distributed = _distributed_is_initialized()
-        # the fit's optimizers are still the Trainer's (a later test/validate keeps them; a new fit replaces them)
-        if engine is not None and distributed and list(map(id, engine.optimizers)) == list(map(id, self.optimizers)):
-            copy_module_into_shards(engine)
-            self.checkpoint_io.save_sharded(engine, checkpoint, path)
-            return
-        if not distributed and self.global_rank != 0:
-            return  # no process group to share the directory with: one writer (the spawn launcher's main process)
-        extra: dict[str, Any] = {}
-        if "optimizer_states" in checkpoint:  # optimizer state was asked for and does not exist here
-            if self._start_method != "popen" and not distributed:
-                why = "saved after a spawn-launched fit: the optimizer state lived in the worker processes"
-            else:
-                why = "saved outside fit, where this process holds no optimizer state"
-            extra[NO_OPTIMIZER_STATE_KEY] = why
-            rank_zero_warn(
-                f"{path}: {why}. The checkpoint holds the weights only: zero-to-fp32 / consolidate work, resuming "
-                "a fit from it does not. To keep the optimizer state, save during fit (ModelCheckpoint) or call "
-                f"trainer.save_checkpoint after a fit with the plain name (e.g. 'zero{self.config.stage}', which "
-                "runs fit in this process)."
-            )
-        state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        save_module_weights(module, self.config, path, state, self.checkpoint_io.save_info(extra))
+        # after fit (or outside any fit) a sharded directory is still written: see [Note: saving after fit]
+        save_without_engine(self, checkpoint, path, self._fit_engine)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
