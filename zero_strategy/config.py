@@ -90,6 +90,12 @@ class ZeroConfig:
     nvme_chunk_numel: int = 16 * 1024 * 1024
     """"nvme": elements per optimizer-step chunk; resident memory of the step is bounded by a few chunks."""
 
+    full_params_after_fit: bool | None = None
+    """What the module holds when the engine is released (end of fit/validate/test): True gathers full
+    parameters on every rank; False leaves them on the meta device, the weights staying in this strategy's shards
+    (save with ``trainer.save_checkpoint``); None (auto) gathers unless the model was built sharded at stage 3,
+    where the gather would put the whole model on every rank at once."""
+
     activation_checkpointing: list[str] = field(default_factory=list)
     """Class names of modules whose forward is recomputed in backward instead of keeping its activations
     (non-reentrant torch checkpointing). ZeroStrategy also accepts classes or a policy callable."""

@@ -34,9 +34,17 @@ class ConfiguredLM(pl.LightningModule):
         assert self.net is not None
         return lm_loss(self.net, tokens)
 
+    def on_train_end(self) -> None:
+        # Built sharded at stage 3, the parameters stay sharded (meta) after fit, and a spawned rank has no process
+        # group left by on_fit_end: the ranks save the trained state together now, consolidated by the test.
+        if getattr(self.trainer.strategy, "config", None) is not None and self.trainer.strategy.config.stage == 3:
+            self.trainer.save_checkpoint(Path(self.out_dir) / "after_fit.ckpt")
+
     def on_fit_end(self) -> None:
-        # runs after the strategy's teardown: the module holds full parameters again. Spawned ranks' weights do
-        # not come back to the main process (its module never ran configure_model), so each rank writes its own.
+        # Runs after the strategy's teardown. Spawned ranks' weights do not come back to the main process (its
+        # module never ran configure_model), so each rank writes its own.
+        if any(p.is_meta for p in self.parameters()):
+            return
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         torch.save(state, Path(self.out_dir) / f"state_rank{self.global_rank}.pt")
 

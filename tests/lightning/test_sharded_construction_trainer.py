@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 import zero_strategy
 from zero_strategy import ZeroStrategy
+from zero_strategy.checkpoint.consolidate import consolidate
 
 
 def _fit(strategy: object, module: ConfiguredLM) -> dict[str, torch.Tensor]:
@@ -24,6 +25,11 @@ def _fit(strategy: object, module: ConfiguredLM) -> dict[str, torch.Tensor]:
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_steps=3, max_epochs=1, accumulate_grad_batches=1,
                                                              gradient_clip_val=None))  # fmt: skip
     trainer.fit(module, train_loader())
+    saved = Path(module.out_dir) / "after_fit.ckpt"
+    if saved.exists():  # built sharded at stage 3: the parameters stayed sharded and the ranks saved them
+        state = torch.load(consolidate(saved, Path(module.out_dir) / "model.pt"), weights_only=True)
+        assert set(state) == {f"net.{k}" for k in TransformerLM().state_dict()}  # every tensor, consolidated
+        return state
     states = [torch.load(Path(module.out_dir) / f"state_rank{r}.pt", weights_only=True) for r in range(2)]
     assert len(states[0]) == len(TransformerLM().state_dict())  # the network's every tensor, not an empty dict
     assert_state_close(states[1], states[0], rel=0.0, what="rank 1 vs rank 0")

@@ -42,6 +42,8 @@ def copy_module_into_shards(engine: ZeroEngine) -> None:
         for flat in engine.flat_params:
             by_name = dict(zip(flat.names, flat.params, strict=True))
             for piece in flat.layout.overlaps(rank):
+                if by_name[piece.name].is_meta:  # released sharded: the shard is the only copy (core/release.py)
+                    continue
                 values = by_name[piece.name].detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
                 flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
 

@@ -109,6 +109,8 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         materialize_on = check_materializable(module, initial_values)
+        self.built_sharded = materialize_on is not None  # no rank held the whole model: see core/release.py
+        self.released_sharded = False
         # planned while the tensors are still meta: building the FlatParams gives them storage
         recording = initial_values.recording if initial_values is not None else None
         replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
@@ -380,8 +382,15 @@ class ZeroEngine:
             for unit in self.units:
                 unit.release_gathered()
 
-    def release(self) -> None:
-        """Undo the sharding: remove hooks and give the module standalone, up-to-date full parameters."""
+    def release(self, full: bool | None = None) -> bool:
+        """Undo the sharding: remove the hooks and give the module standalone, up-to-date full parameters, or
+        (``full=False``) leave them on the meta device with this engine's slices as the weights. ``None``: the
+        config's ``full_params_after_fit``, whose default keeps a model built sharded at stage 3 sharded (see
+        [Note: releasing a model built sharded] in core/release.py). Returns whether the parameters are full."""
+        if full is None:
+            full = self.config.full_params_after_fit
+        if full is None:
+            full = not (self.built_sharded and self.stage.reshards_parameters)
         self.hooks.remove()
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
@@ -389,6 +398,12 @@ class ZeroEngine:
         for flat in self.flat_params:
             for param in flat.params:
                 param.grad = None
-            flat.release_to_module()
+            if full:
+                flat.release_to_module()
+            else:
+                flat.release_sharded()
         if self.placement is not None and self.placement.store is not None:
+            # the files are unlinked; their mappings (a sharded release's slices, the optimizer state) stay valid
             self.placement.store.close()
+        self.released_sharded = not full
+        return full

@@ -421,3 +421,17 @@ class FlatParam:
             for span, param in zip(self.layout.spans, self.params, strict=True):
                 param.data = whole[span.offset : span.end].view(span.shape).clone()
         self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+
+    def release_sharded(self) -> None:
+        """Leave the module's parameters on the meta device (shapes kept, no storage) and keep this rank's slice
+        as the only copy of the weights (see [Note: releasing a model built sharded] in core/release.py)."""
+        if self._pending is not None:
+            self.finish_unshard()
+        if self.shard_aliases_full or self._shared is not None:
+            # a view of `full` (dropped below) or of a shared-memory segment (closed with the engine)
+            self.shard = self.shard.clone()
+        for param in self.params:
+            if not param.is_meta:
+                placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)

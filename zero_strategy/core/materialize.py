@@ -67,6 +67,12 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
     names = meta_names(module)
     if not names:
         return None
+    if values is not None and values.recording is None and values.pretrained is not None:
+        # nothing was built here: every meta tensor is read (a released engine's slices, see core/release.py)
+        missing = [name for name in names if name not in values.pretrained.plan]
+        if not missing and values.device is not None:
+            return values.device
+        names = missing or names
     if values is None or values.recording is None:
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise UnmaterializedError(

@@ -55,6 +55,13 @@ def save_without_engine(
         copy_module_into_shards(fit_engine)
         strategy.checkpoint_io.save_sharded(fit_engine, checkpoint, path)
         return
+    if any(param.is_meta for param in module.parameters()):
+        raise RuntimeError(
+            f"cannot save {path}: the module's parameters were left sharded by the last run (a model built sharded "
+            "at stage 3, see full_params_after_fit) and the fit that trained them is not the Trainer's current "
+            "one, so its optimizer state is gone. Save during fit (ModelCheckpoint), or call trainer.save_checkpoint "
+            "right after trainer.fit."
+        )
     if not distributed and strategy.global_rank != 0:
         return  # no process group to share the directory with: one writer (the spawn launcher's main process)
     extra: dict[str, Any] = {}

@@ -4,10 +4,12 @@ which files fill which names when the model is sharded (see [Note: sharded const
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from zero_strategy.checkpoint.pretrained import (
@@ -20,7 +22,9 @@ from zero_strategy.checkpoint.pretrained import (
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.deferred import Recording, record_construction
+from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader
+from zero_strategy.core.release import ReleasedShards
 
 
 class ConstructionRecorder:
@@ -66,3 +70,49 @@ def initial_values(
                 plan[f"{prefix}.{name}" if prefix else name] = (source, source_name)
         forget_pending(module)
         yield InitialValues(recording, Pretrained(plan) if plan else None, device)
+
+
+def take_back_released(
+    values: InitialValues, module: nn.Module, released: ZeroEngine | None, device: torch.device
+) -> InitialValues:
+    """A module whose parameters a previous engine left sharded (fit, then test on the same Trainer) gets them
+    back from that engine's slices, each rank reading its own (see [Note: releasing a model built sharded] in
+    core/release.py). Weights named by ``values.pretrained`` still win; a recording that built nothing (the
+    model existed, ``configure_model`` returned early) is dropped."""
+    if released is None:
+        return values
+    plan = ReleasedShards(released.flat_params, released.ctx.rank).plan_for(module)
+    if not plan:
+        return values
+    recording = values.recording if values.recording is not None and values.recording.ops else None
+    if values.pretrained is not None:
+        plan.update(values.pretrained.plan)  # type: ignore[arg-type]
+    return replace(values, recording=recording, pretrained=Pretrained(plan), device=values.device or device)
+
+
+def warn_parameters_stay_sharded(stage: int) -> None:
+    rank_zero_warn(
+        f"The model was built sharded at stage {stage}, so its parameters stay sharded after this run (the "
+        "module's parameters are on the meta device; gathering them would put the whole model on every rank). "
+        "trainer.save_checkpoint(path) writes them, `zero-to-fp32 path out.safetensors` consolidates them, and a "
+        "further fit/validate/test on this Trainer continues from them. Set full_params_after_fit=True to gather "
+        "full parameters on every rank instead."
+    )
+
+
+@contextmanager
+def meta_parameters_stay(module: nn.Module | None) -> Iterator[None]:
+    """Within the block, ``module.cpu()`` moves everything but meta tensors (Lightning's ``Strategy.teardown``
+    calls it; a meta tensor cannot be copied, and a parameter left sharded is meta on purpose)."""
+    if module is None or not any(param.is_meta for param in module.parameters()):
+        yield
+        return
+
+    def cpu_except_meta() -> nn.Module:
+        return module._apply(lambda tensor: tensor if tensor.is_meta else tensor.cpu())
+
+    module.cpu = cpu_except_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu

@@ -57,7 +57,13 @@ from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.lightning.rank_exit import report_rank_finished
 from zero_strategy.lightning.save_without_engine import save_without_engine
-from zero_strategy.lightning.sharded_init import ConstructionRecorder, initial_values
+from zero_strategy.lightning.sharded_init import (
+    ConstructionRecorder,
+    initial_values,
+    meta_parameters_stay,
+    take_back_released,
+    warn_parameters_stay_sharded,
+)
 from zero_strategy.names import STRATEGY_NAMES
 
 
@@ -129,6 +135,8 @@ class ZeroStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         # the last fit's released engine: its master slices and optimizer state serve a save after fit
         self._fit_engine: ZeroEngine | None = None
+        # the last engine released with the parameters left sharded: its slices are the weights (core/release.py)
+        self._weights_engine: ZeroEngine | None = None
         self._layout: RankLayout | None = None  # nodes, shard and replica groups (see _rank_layout)
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
@@ -250,7 +258,8 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self._engine is not None:  # fit() then test() on one Trainer: start from a plain module again
-            self._engine.release()
+            if not self._engine.release():
+                self._weights_engine = self._engine
         if self._checkpoint_policy is not None:
             apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
         entry = _ForwardEntry(module)
@@ -261,9 +270,11 @@ class ZeroStrategy(ParallelStrategy):
         recording = self._recorder.take()
         config = self.config if not self._pretrained_loaded else replace(self.config, pretrained=None)
         with initial_values(module, recording, config, self.root_device) as values:
+            values = take_back_released(values, module, self._weights_engine, self.root_device)
             policy = self.precision_plugin.policy()
             self._engine = ZeroEngine(module, optimizers, self.config, layout, entry, policy, initial_values=values)
         self._pretrained_loaded = True  # a later test()/validate() on this Trainer keeps the trained weights
+        self._weights_engine = None  # its slices were read into the new engine (or the module was full)
         self.model = entry
         self.precision_plugin.attach(self._engine)
         self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
@@ -331,7 +342,9 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.release()  # the LightningModule holds full, up-to-date parameters again
+            if not self._engine.release():  # the module's parameters stay sharded: see core/release.py
+                self._weights_engine = self._engine
+                warn_parameters_stay_sharded(self.config.stage)
             if self._engine.optimizers:  # kept for a save after fit (see [Note: saving after fit])
                 self._fit_engine = self._engine
             self._engine = None
@@ -343,7 +356,8 @@ class ZeroStrategy(ParallelStrategy):
         self.model = self.lightning_module
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        super().teardown()
+        with meta_parameters_stay(self.lightning_module):  # Lightning's teardown moves the module to the CPU
+            super().teardown()
         if self._start_method != "popen" and _distributed_is_initialized():
             # A spawn-launched worker exits right after teardown. Tearing the process group down here, together,
             # replaces an implicit teardown at interpreter exit, where a gloo rank was seen to abort now and then
