@@ -19,6 +19,7 @@ from enum import Enum, auto
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.config import OffloadDevice
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.transport.choice import DistContext
@@ -142,6 +143,13 @@ class FlatParam:
         # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
         # a gather needs no host-to-device copy (refreshed after every step).
         self._device_source: Tensor | None = None
+        # [Note: gradient slices in files]
+        # With nvme optimizer offload the reduced gradient slices (4Ψ/N bytes, the largest thing left in host
+        # memory) go to a file of their own, reused every step: after each unit's reduction its pages are released,
+        # and the chunked optimizer step maps them back chunk by chunk, like the masters and the optimizer state.
+        self._grad_file: Tensor | None = None
+        if placement is not None and placement.store is not None and placement.optimizer is OffloadDevice.nvme:
+            self._grad_file = placement.shard_buffer(f"grad-{id(self)}", self.shard.numel(), self.shard.dtype)
         if (
             placement is not None
             and not options.keeps_full  # stages 1/2 gather into `full`, which stays on the device anyway
@@ -366,11 +374,16 @@ class FlatParam:
         reduced, self._pending_reduce = self._pending_reduce.wait(), None
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
-            if piece.grad is None:
+            if piece.grad is None and self._grad_file is not None:  # see [Note: gradient slices in files]
+                piece.grad = self._grad_file[offset : offset + piece.numel()]
+                piece.grad.copy_(chunk)
+            elif piece.grad is None:
                 # `reduced` is ours alone and its pieces are disjoint, so a matching slice is used without a copy.
                 piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
             else:
                 piece.grad.add_(chunk.to(piece.device))
+        if self._grad_file is not None and self.placement is not None:
+            self.placement.after_host_read()  # the slice is in the file: its pages leave this process
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
         """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""

@@ -104,6 +104,11 @@ class NvmeStore:
                             self._can_populate = False
                     break
 
+    def holds(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s elements lie in one of this store's files."""
+        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        return any(address <= start and start + nbytes <= address + size for address, size, _ in self._regions)
+
     def release_pages(self) -> None:
         """Drop every mapping's pages from this process's resident set (the data stays in the files)."""
         for mapping in self._maps.values():
@@ -182,10 +187,11 @@ def chunked_step(optimizer: Optimizer, chunk_numel: int, store: NvmeStore) -> No
                 optimizer.param_groups[group_index]["params"].append(view)
                 owners.append((piece, view, lo))
             optimizer.state = defaultdict(dict, state_views)
-            store.populate([view.data for _, view, _ in owners] + [
+            grads = [view.grad for _, view, _ in owners if view.grad is not None]
+            store.populate([view.data for _, view, _ in owners] + grads + [
                 value for state in state_views.values() for value in state.values()
                 if isinstance(value, Tensor) and value.dim() > 0
-            ])
+            ])  # fmt: skip
             optimizer.step()
             for piece, view, start in owners:
                 _store_chunk_state(saved, piece, optimizer.state[view], start, store, scalars)
@@ -247,8 +253,9 @@ def make_placement(config: ZeroConfig, device: torch.device, plans: list[UnitPla
     if OffloadDevice.nvme in (config.offload_optimizer, config.offload_param):
         assert config.nvme_path is not None
         numel = sum(p.numel() for plan in plans for _, p in plan.named_params)
-        # this rank's masters (1/N of the model) plus up to three state tensors of the same size (Adam has two)
+        # this rank's masters (1/N of the model), their gradients and up to three state tensors of the same size
+        # (Adam has two, three with amsgrad)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        NvmeStore.check_space(config.nvme_path, 4 * 4 * numel // world)
+        NvmeStore.check_space(config.nvme_path, 5 * 4 * numel // world)
         store = NvmeStore(config.nvme_path, rank)
     return Placement(config.offload_optimizer, config.offload_param, device, config.pin_memory, store)

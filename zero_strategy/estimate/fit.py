@@ -72,8 +72,8 @@ def training_phases(e: MemoryEstimate) -> tuple[Placed, ...]:
     if e.offload_optimizer != "nvme":
         return (e.total,)
     state_bytes = OPTIMIZER_STATE_BYTES[e.optimizer]
-    chunk = e.optimizer_state.host  # one chunk's masters + state, resident while it steps
-    fresh = chunk * state_bytes // (4 + state_bytes)  # the first step's new state, in memory beside its file copy
+    chunk = e.optimizer_state.host  # one chunk's masters + gradients + state, resident while it steps
+    fresh = chunk * state_bytes // (8 + state_bytes)  # the first step's new state, in memory beside its file copy
     files = Placed(nvme=e.master.nvme + e.optimizer_state.nvme)
     step = e.gradients + Placed(host=chunk + fresh) + files  # the masters are in `files`
     compute = e.parameters + e.communication + e.activations + e.gradients + files
@@ -89,11 +89,9 @@ def training_peak(e: MemoryEstimate) -> Placed:
 # [Note: the nvme step's peak]
 # With nvme offload the masters and optimizer state live in files and the step runs chunk by chunk, so the two
 # large transient sets never meet: forward/backward holds the gathered units and the reduce buffers, the step holds
-# one chunk's masters and state (pages of the files) and, at the first step, that chunk's new state as AdamW
-# creates it in memory before it is copied into its file (so 4 + 2 x 8 bytes per chunk element with AdamW, not
-# 4 + 8). Gradient slices are in host memory throughout. Measured (benchmarks/bench_largest.py, 54.6 M parameters,
-# 2 ranks): 438 MiB; the sum of every category's peak would say 386 MiB without the first step's state and 514 MiB
-# with it, the larger phase 424 MiB.
+# one chunk's masters, gradients and state (pages of the files) and, at the first step, that chunk's new state as
+# AdamW creates it in memory before it is copied into its file (so 4 + 4 + 2 x 8 bytes per chunk element with
+# AdamW, not 4 + 4 + 8). The gradient slices are in a file too; only the unit being reduced has its pages mapped.
 
 
 def _ram(placed: Placed, compute_on_host: bool) -> int:

@@ -15,8 +15,8 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
   gather source copy and, at stages 2/3, the ``.grad`` tensors waiting for the reduction (the root's wait longest).
 - offload "cpu": masters, gradient slices and optimizer state move to host memory, but on a GPU a compute-dtype
   copy of the slice (cΨ/N) stays on the device so gathers need no host-to-device copy (unless ``offload_param``).
-  "nvme": masters and optimizer state go to files, a chunk of them resident while the optimizer steps; the
-  gradient slices stay in host memory. ``offload_param`` without ``offload_optimizer`` changes nothing.
+  "nvme": masters, gradient slices and optimizer state go to files, a chunk of them resident while the optimizer
+  steps. ``offload_param`` without ``offload_optimizer`` changes nothing.
 """
 
 from __future__ import annotations
@@ -231,7 +231,9 @@ class _Setup:
         return Placed(host=nbytes) if self.offload_optimizer is OffloadDevice.cpu else Placed(device=nbytes)
 
     def grad_slice_at(self, nbytes: int) -> Placed:
-        # piece.grad is created on the master's device: a file-backed master is a host tensor, so nvme -> host
+        # cpu offload: piece.grad is created on the master's device (host); nvme: in a file of its own
+        if self.offload_optimizer is OffloadDevice.nvme:
+            return Placed(nvme=nbytes)
         return Placed(device=nbytes) if self.offload_optimizer is OffloadDevice.none else Placed(host=nbytes)
 
 
@@ -262,8 +264,8 @@ def _gradients(shape: ModelShape, s: _Setup) -> Placed:
 def _optimizer_state(shape: ModelShape, s: _Setup) -> Placed:
     masters = sum(f.shard(s.world_size) * f.master_dtype.itemsize for f in shape.flats if f.trainable)
     state = s.master_at(masters * s.state_bytes // 4)  # the state has the masters' dtype
-    if s.offload_optimizer is OffloadDevice.nvme:  # one chunk of masters + state resident while it steps
-        state = state + Placed(host=min(4 * s.nvme_chunk_numel, masters) * (4 + s.state_bytes) // 4)
+    if s.offload_optimizer is OffloadDevice.nvme:  # one chunk of masters + gradients + state resident while it steps
+        state = state + Placed(host=min(4 * s.nvme_chunk_numel, masters) * (4 + 4 + s.state_bytes) // 4)
     return state
 
 
@@ -307,8 +309,8 @@ def _notes(shape: ModelShape, s: _Setup, activations_known: bool) -> tuple[str, 
         (s.stage.reshards_parameters,
          f"stage 3: root unit + the unit computing{prefetched} are whole in forward/backward"),
         (s.device_source, "offloaded masters on a GPU: a compute-dtype copy of the slice (cΨ/N) stays on the device"),
-        (s.offload_optimizer is OffloadDevice.nvme, "nvme: gradient slices stay in host memory; one chunk of "
-         "masters+state is resident while stepping"),
+        (s.offload_optimizer is OffloadDevice.nvme, "nvme: masters, gradient slices and optimizer state in files; "
+         "one chunk of them is resident while stepping"),
         (s.offload_param is not OffloadDevice.none and not offloaded,
          "offload_param without offload_optimizer: the slices stay on the device (no effect)"),
         (shape.guessed_units, "unit sizes guessed from a transformer shape: pass largest_unit_numel / root_unit_numel"),
