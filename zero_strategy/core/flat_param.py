@@ -19,6 +19,7 @@ from enum import Enum, auto
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.hierarchical import SecondaryCopy
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.transport.choice import DistContext
@@ -67,6 +68,7 @@ class FlatParam:
     piece_offset: list[int]  # for each master piece, where it starts inside `shard`
     label: str = ""  # the unit this FlatParam belongs to, for messages
     watch: GatherWatch | None = None  # stage 3, network gathers: see [Note: diverging gathers]
+    secondary: SecondaryCopy | None  # hierarchical stage 3: this rank's 1/K of `full`, see core/hierarchical.py
 
     def __init__(
         self,
@@ -139,6 +141,10 @@ class FlatParam:
             elif compute_dtype != first.dtype:
                 full = full.to(compute_dtype)
         self.full = full
+        param_group = self.ctx.param_group
+        self.secondary = None if options.keeps_full or param_group is None else SecondaryCopy(
+            self.layout.padded_numel, full.dtype, full.device, param_group)  # see [Note: hierarchical parameters]
+        self._fills_secondary = False  # the gather in flight comes from the world and refreshes `secondary`
         # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
         # a gather needs no host-to-device copy (refreshed after every step).
         self._device_source: Tensor | None = None
@@ -226,9 +232,14 @@ class FlatParam:
                 self._shared.release_peers(self._shared_key)
             self.state = ShardState.UNSHARDED
             return
-        self._pending = all_gather_flat(
-            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
-        )
+        secondary = self.secondary
+        if secondary is not None and secondary.fresh:  # hierarchical stage 3: gathered inside the node
+            self._pending = secondary.start_gather(self.full, self.log, self.ctx.point_to_point, self._salt)
+        else:
+            self._pending = all_gather_flat(
+                self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
+            )
+            self._fills_secondary = secondary is not None
         if self.watch is not None and self._pending.work is not None:
             self._pending = self._pending._replace(work=self.watch.watched("gather", self.label, self._pending.work))
 
@@ -240,19 +251,24 @@ class FlatParam:
             self.start_unshard()
             if self.state is ShardState.UNSHARDED:  # shared-memory shards: the gather was a copy, already done
                 return
+        self._land_gather()
+        if self.placement is not None:
+            self.placement.after_host_read()
+
+    def _land_gather(self) -> None:
+        """Wait for the gather in flight; ``full`` holds the parameters afterwards."""
         assert self._pending is not None
         self._pending.wait()
         self._pending = None
         self.state = ShardState.UNSHARDED
-        if self.placement is not None:
-            self.placement.after_host_read()
+        if self._fills_secondary and self.secondary is not None:
+            self.secondary.keep_slice_of(self.full)
+            self._fills_secondary = False
 
     def reshard(self) -> None:
         """Free ``full``'s storage; the module's parameter views keep their shapes but hold no memory."""
         if self._pending is not None:  # a prefetch nobody used: let it land before freeing its buffer
-            self._pending.wait()
-            self._pending = None
-            self.state = ShardState.UNSHARDED
+            self._land_gather()
         if self.state is ShardState.SHARDED:
             return
         self.full.untyped_storage().resize_(0)
@@ -265,6 +281,8 @@ class FlatParam:
         if self.keeps_full:
             return self.start_refresh_full_from_shards()
         self.reshard()
+        if self.secondary is not None:
+            self.secondary.mark_stale()
         return lambda: None
 
     def release_gathered(self) -> None:

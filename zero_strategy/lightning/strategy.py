@@ -275,7 +275,7 @@ class ZeroStrategy(ParallelStrategy):
             return None
         if self._layout is None:
             topology = Topology.uniform(self.world_size, self.num_processes)
-            self._layout = build_rank_layout(self.config.shard_group_size, topology)
+            self._layout = build_rank_layout(self.config.shard_group_size, topology, self.config.hierarchical_params)
         return self._layout
 
     @classmethod

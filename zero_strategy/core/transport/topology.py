@@ -78,16 +78,17 @@ class Topology:
         return len({self.node_of_rank[rank] for rank in ranks}) <= 1
 
 
-def resolve_shard_group_size(value: int | str | None, topology: Topology) -> int:
-    """``shard_group_size`` as a number of ranks: None → the whole world, "node" → the ranks of one node. Raises
-    :class:`ZeroConfigError` when it does not divide the world (before any training)."""
+def resolve_shard_group_size(value: int | str | None, topology: Topology, key: str = "shard_group_size") -> int:
+    """``shard_group_size`` (or ``hierarchical_params``: ``key``) as a number of ranks: None → the whole world,
+    "node" → the ranks of one node. Raises :class:`ZeroConfigError` when it does not divide the world (before any
+    training)."""
     world = topology.world_size
     if value is None:
         return world
     size = topology.ranks_per_node() if value == "node" else value
     if not isinstance(size, int) or size < 1 or world % size:
         raise ZeroConfigError(
-            f"shard_group_size={value!r} must divide the world size {world} ({topology.num_nodes} node(s)): use a "
+            f"{key}={value!r} must divide the world size {world} ({topology.num_nodes} node(s)): use a "
             f"divisor of {world}, 'node' (ranks of one node) or None (the whole world)."
         )
     return size
@@ -103,24 +104,51 @@ class Replicas:
 
 
 @dataclass(frozen=True, slots=True)
+class ParamGroup:
+    """Hierarchical stage 3: the K consecutive ranks among which the secondary parameter copy is sharded (see
+    [Note: hierarchical parameters] in core/hierarchical.py)."""
+
+    group: dist.ProcessGroup
+    rank: int  # this rank's position in the group: which 1/K of every unit it keeps
+    size: int  # K
+
+
+@dataclass(frozen=True, slots=True)
 class RankLayout:
     """What an engine needs to know about where its ranks sit. Pass it as ``ZeroEngine(..., group=layout)``."""
 
     topology: Topology
     shard_group: dist.ProcessGroup | None  # the ranks that share one copy of the sharded state (None: the world)
     replicas: Replicas | None = None  # None: a single shard group (flat ZeRO)
+    param_group: ParamGroup | None = None  # hierarchical stage 3's secondary group; None: off
 
 
-def build_rank_layout(shard_group_size: int | str | None, topology: Topology | None = None) -> RankLayout:
+def build_param_group(hierarchical_params: int | str | None, topology: Topology) -> ParamGroup | None:
+    """Collective over the default process group: this rank's secondary group of K consecutive ranks. None when
+    off, or when K is the whole world (one node: the first gather never leaves the node anyway, so a secondary
+    copy would cost memory and save nothing)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    size = resolve_shard_group_size(hierarchical_params, topology, "hierarchical_params")
+    if hierarchical_params is None or size == world:
+        return None
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+    return ParamGroup(groups[rank // size], rank % size, size)
+
+
+def build_rank_layout(
+    shard_group_size: int | str | None,
+    topology: Topology | None = None,
+    hierarchical_params: int | str | None = None,
+) -> RankLayout:
     """Collective over the default process group (every rank calls it, in the same order): the shard group and
-    replica group of this rank (see [Note: hybrid sharding])."""
+    replica group of this rank (see [Note: hybrid sharding]), or the secondary group of hierarchical stage 3."""
     world, rank = dist.get_world_size(), dist.get_rank()
     topology = topology or Topology.from_env(world)
     if topology.world_size != world:
         raise ZeroConfigError(f"the topology describes {topology.world_size} ranks but the world has {world}.")
     size = resolve_shard_group_size(shard_group_size, topology)
     if size == world:
-        return RankLayout(topology, None)
+        return RankLayout(topology, None, None, build_param_group(hierarchical_params, topology))
     count = world // size
     # every rank creates every group, in the same order (torch requires it of new_group)
     shard_groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(count)]
