@@ -127,7 +127,7 @@ class ZeroEngine:
             self.shared.after_writes()  # the replayed shards are complete before any peer gathers them
         self._sync_buffers()
         self._repoint_optimizers()
-        # one order for the whole run: replicas all-reduce their slices in the order their groups reduce them
+        # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.ctx.everyone, self.ctx.everyone_src, self._collective)
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
@@ -262,7 +262,8 @@ class ZeroEngine:
 
         The first call of a step agrees on which parameters some rank used (see [Note: unused parameters] in
         unused.py); at stage 1 every rank then reduces every FlatParam some rank used, with zeros where it has no
-        gradient, so the ranks issue the same reductions."""
+        gradient, so the ranks issue the same reductions. With hybrid sharding the slices accumulated since the
+        last step are then averaged over the replicas, once per step (see [Note: hybrid sharding])."""
         index = self.optimizer_index(optimizer)
         force = None
         if index not in self._agreed:
@@ -279,6 +280,14 @@ class ZeroEngine:
             unit.start_reduce(index, force=force)
         for unit in self.units:
             unit.finish_reduce()
+        averaging = [flat for flat in self._flat_params_of(index) if flat.replica_average_pending]
+        if averaging:  # hybrid sharding: once per step, on the slices accumulated over the micro-steps
+
+            def average() -> None:
+                for flat in averaging:
+                    flat.average_over_replicas()
+
+            self._collective("replica all-reduce", average)
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (see core/gradients.py). Collective."""

@@ -28,6 +28,7 @@ from zero_strategy.core.transport.collectives import (
     PendingGather,
     PendingReduce,
     all_gather_flat,
+    all_reduce_mean_over_replicas,
     broadcast_flat,
     start_reduce_scatter_mean,
 )
@@ -95,6 +96,7 @@ class FlatParam:
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self.reduce_dtype = options.reduce_dtype
+        self.replica_average_pending = False  # hybrid sharding: reduced slices not yet averaged over the replicas
         self.keeps_full = options.keeps_full
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
@@ -344,6 +346,7 @@ class FlatParam:
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
         self.finish_reduce()  # the exchange must complete on every rank, whatever we do with its result
+        self.replica_average_pending = False  # every replica skips the same step: none averages
         self.grad_stash = None
         self.grad_seen = [False] * len(self.params)
         for param in self.params:
@@ -369,9 +372,7 @@ class FlatParam:
             return
         self.finish_reduce()
         flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
-        self._pending_reduce = start_reduce_scatter_mean(
-            flat, self.ctx.group, self.log, self.ctx.point_to_point, self.ctx.replicas
-        )
+        self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
         watch = self.watch
         if watch is not None:
             self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))
@@ -389,6 +390,24 @@ class FlatParam:
                 piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
             else:
                 piece.grad.add_(chunk.to(piece.device))
+        replicas = self.ctx.replicas
+        self.replica_average_pending = replicas is not None and replicas.count > 1 and bool(self.master_pieces)
+
+    def average_over_replicas(self) -> None:
+        """Hybrid sharding: average the gradient slice accumulated since the last step over the replica group, once
+        per optimizer step (see [Note: hybrid sharding] in transport/topology.py). Collective over the replicas;
+        every replica has the same pieces (the same slice of the same layout), so they agree on calling it."""
+        if not self.replica_average_pending or self.ctx.replicas is None:
+            return
+        self.replica_average_pending = False
+        grads = [piece.grad for piece in self.master_pieces if piece.grad is not None]
+        assert len(grads) == len(self.master_pieces), "every piece has a gradient after a reduction"
+        # one exchange per FlatParam: the pieces' gradients side by side (a copy only when there are several)
+        joined = grads[0] if len(grads) == 1 else torch.cat([grad.reshape(-1) for grad in grads])
+        all_reduce_mean_over_replicas(joined, self.ctx.replicas, self.log, self.ctx.point_to_point)
+        if len(grads) > 1:
+            for grad, part in zip(grads, joined.split([grad.numel() for grad in grads]), strict=True):
+                grad.copy_(part.view_as(grad))
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
         """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""

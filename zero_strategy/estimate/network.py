@@ -6,9 +6,10 @@ node by node (see core/transport/topology.py): an exchange of a B-byte buffer ov
 every other member (all-gather, reduce-scatter); the replica all-reduce of a slice S over R replicas sends
 2·S/R to each of the R-1 others. Per step: stages 1/2 gather Ψ and reduce Ψ once (stage 2: once per micro-step);
 stage 3 gathers twice per micro-step (forward and backward: an upper bound, the engine keeps the root and last unit
-whole between them) and reduces once per micro-step; with replicas every reduction is followed by the replica
-all-reduce of its slice. Hierarchical stage 3 (``hierarchical_params``, see core/hierarchical.py) gathers once per
-step from the whole world and every other time (2m - 1 times, the same upper bound) inside its group of K ranks.
+whole between them) and reduces once per micro-step; with replicas the fp32 gradient slice accumulated over the
+step is then all-reduced over them once. Hierarchical stage 3 (``hierarchical_params``, see core/hierarchical.py)
+gathers once per step from the whole world and every other time (2m - 1 times, the same upper bound) inside its
+group of K ranks.
 Time = intra bytes / intra bandwidth + inter bytes / inter bandwidth (no overlap with compute).
 """
 
@@ -70,8 +71,8 @@ def estimate_traffic(
         add(list(range(k)), (gathers * gather + reductions * reduce) / k)
     replicas = world // k
     if replicas > 1:
-        slice_bytes = -(-reduce // k)
-        add(list(range(0, world, k)), reductions * 2 * slice_bytes / replicas)
+        slice_bytes = -(-param_count * 4 // k)  # the accumulated fp32 slice, once per step
+        add(list(range(0, world, k)), 2 * slice_bytes / replicas)
     intra_gbps, inter_gbps = bandwidth_gbps
     seconds = links[INTRA_NODE] * 8 / (intra_gbps * 1e9) + links[INTER_NODE] * 8 / (inter_gbps * 1e9)
     label = f"hierarchical K={secondary}" if hierarchical else "flat" if replicas == 1 else f"hybrid K={k}"

@@ -153,22 +153,13 @@ def all_gather_flat(
 class PendingReduce:
     """A reduce-scatter started asynchronously; :meth:`wait` returns this rank's averaged slice.
 
-    It holds the flattened input until then (the sends read from it). With ``replicas`` (hybrid sharding) the
-    averaged slice is then averaged over the replica group too (see [Note: hybrid sharding] in topology.py)."""
+    It holds the flattened input until then (the sends read from it)."""
 
-    def __init__(
-        self,
-        work: Waitable | None,
-        shard: Tensor,
-        world: int,
-        log: CommunicationLog,
-        replicas: tuple[Replicas, bool] | None = None,
-    ) -> None:
+    def __init__(self, work: Waitable | None, shard: Tensor, world: int, log: CommunicationLog) -> None:
         self._work = work
         self._shard = shard
         self._world = world
         self._log = log
-        self._replicas = replicas  # (replica group, point-to-point), until the slice was averaged over it
 
     def watch(self, wrap: Callable[[Waitable], Waitable]) -> None:
         """Wait through ``wrap(work)`` instead (see [Note: diverging gathers] in gather_watch.py)."""
@@ -181,36 +172,27 @@ class PendingReduce:
                 self._work.wait()
             self._work = None
             self._shard.div_(self._world)
-        if self._replicas is not None:
-            (replicas, point_to_point), self._replicas = self._replicas, None
-            all_reduce_mean_over_replicas(self._shard, replicas, self._log, point_to_point)
         return self._shard
 
 
 def start_reduce_scatter_mean(
-    flat: Tensor,
-    group: ProcessGroup,
-    log: CommunicationLog,
-    point_to_point: bool = False,
-    replicas: Replicas | None = None,
+    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
 ) -> PendingReduce:
-    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor).
-    ``replicas``: the slice is then averaged over this rank's replica group as well (hybrid sharding)."""
+    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor)."""
     world = _world(group)
     log.record("reduce_scatter", flat.numel() * flat.element_size())
     log.record_sends("reduce_scatter", group, flat.numel() * flat.element_size() // world)
     shard = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-    across = (replicas, point_to_point) if replicas is not None and replicas.count > 1 else None
     if world == 1:
         shard.copy_(flat)
-        return PendingReduce(None, shard, world, log, across)
+        return PendingReduce(None, shard, world, log)
     work: Waitable | None
     with log.blocking("reduce_scatter"):
         if point_to_point:
             work = point_to_point_exchange.reduce_scatter_sum(shard, flat, group)
         else:
             work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingReduce(work, shard, world, log, across)
+    return PendingReduce(work, shard, world, log)
 
 
 def all_reduce_mean_over_replicas(

@@ -10,10 +10,13 @@ ranks node by node (global rank = node rank × ranks per node + local rank), so 
 ``shard_group_size=K`` splits the world into ``world / K`` shard groups of K consecutive ranks (with K = the ranks
 of a node, a shard group is a node). Inside a group everything is ZeRO as with a world of K ranks: each rank owns
 1/K of every unit. Rank i of every group owns the same slice, so the ranks with the same position form a replica
-group; after the in-group reduce-scatter each slice's gradient is averaged over its replica group (one all-reduce
-of the slice), which gives every replica the mean over the whole world, and the replicas then step identically.
-Parameters are gathered only inside a group. Per rank and step the inter-node traffic is then the replica
-all-reduce of 1/K of the gradients instead of a share of every gather and reduce-scatter.
+group. The in-group reduce-scatters accumulate into the slice's fp32 gradient as in flat ZeRO; before the optimizer
+step (``ZeroEngine.reduce_pending``, before clipping or the overflow check read it) the accumulated slice is
+averaged over its replica group, one all-reduce per FlatParam and step whatever the number of micro-steps (the
+mean is linear, so averaging the sum equals summing the averages), which gives every replica the mean over the
+whole world, and the replicas then step identically. Parameters are gathered only inside a group. Per rank and
+step the inter-node traffic is then the replica all-reduce of 1/K of the fp32 gradients instead of a share of every
+gather and reduce-scatter.
 """
 
 from __future__ import annotations
