@@ -9,6 +9,7 @@ of [Note: hierarchical parameters] and against ``zero-estimate``'s prediction, a
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import memory_report
-from zero_strategy.core.transport.topology import Topology
+from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.transport.topology import INTRA_NODE, Topology
 from zero_strategy.estimate.network import estimate_traffic
 from zero_strategy.testing import run_ranks
 
@@ -76,11 +78,12 @@ def _bytes_run(rank: int, world: int, config: ZeroConfig) -> dict:
     log = engine.comm_log
     phases: dict[str, dict[str, int]] = {}
 
-    def phase(name: str) -> None:  # what crossed nodes since the last call by kind, and all gathered bytes
+    def phase(name: str) -> None:  # what crossed nodes since the last call by kind; "#": all gathered, intra-node
         entry = phases.setdefault(name, {}) if name != "warm-up" else {}
         for kind, sent in log.inter_node_bytes_by_kind.items():
             entry[kind] = entry.get(kind, 0) + sent
-        entry["all_gather_total"] = entry.get("all_gather_total", 0) + log.bytes_by_kind.get("all_gather", 0)
+        entry["#all_gather"] = entry.get("#all_gather", 0) + log.bytes_by_kind.get("all_gather", 0)
+        entry["#intra"] = entry.get("#intra", 0) + log.bytes_by_link.get(INTRA_NODE, 0)
         log.reset()
 
     for step, micro in enumerate(make_batches(4, ACCUM, GLOBAL_BATCH)):
@@ -100,9 +103,37 @@ def _bytes_run(rank: int, world: int, config: ZeroConfig) -> dict:
                                                            report.optimizer_state, report.total)}
 
 
+def _bf16_run(rank: int, world: int, config: ZeroConfig) -> tuple[dict, int]:
+    """Two bf16 steps (accumulation 2): the final fp32 weights and the bytes of the secondary copies."""
+    model = make_model()
+    optimizer = _optimizer(model)
+    engine = ZeroEngine(model, [optimizer], config, policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    for micro in make_batches(2, ACCUM, GLOBAL_BATCH):
+        optimizer.zero_grad()
+        for tokens in micro:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(model, rank_slice(tokens, rank, world)) / ACCUM
+            loss.backward()
+        engine.optimizer_step(optimizer)
+    copies = sum(flat.secondary.values.untyped_storage().nbytes() for flat in engine.flat_params if flat.secondary)
+    engine.release()  # the module gets the fp32 masters back
+    return clone_state(model), copies
+
+
 def hierarchical_worker(rank: int, world: int) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)  # two "nodes", as torchrun --nnodes=2 --nproc_per_node=2
     out: dict = {"ddp": _ddp_run(rank, world), "hpz": _parity_run(rank, world)}
+    out["bf16 flat"] = _bf16_run(rank, world, ZeroConfig(stage=3))
+    out["bf16 hier"] = _bf16_run(rank, world, ZeroConfig(stage=3, hierarchical_params="node"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        engine = ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=4))
+        out["world groups"] = engine.ctx.param_group  # K = the world: nothing to save, no copy
+        engine.release()
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # 4 nodes of 1: groups of 2 span nodes
+        ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=2)).release()
+        os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     out["flat"] = _bytes_run(rank, world, ZeroConfig(stage=3))
     out["hier"] = _bytes_run(rank, world, ZeroConfig(stage=3, hierarchical_params="node"))
     try:
@@ -128,29 +159,37 @@ def test_hierarchical_stage3_matches_ddp_and_gathers_inside_the_node():
     for rank, result in enumerate(results):
         for step, (got, ref) in enumerate(zip(result["hpz"], ddp_states, strict=True)):
             assert_state_close(got, ref, rel=1e-5, what=f"hierarchical stage 3 rank {rank} step {step}")
+        # bf16: bit-identical to flat stage 3 (the copy holds the bytes a world gather delivers), a bf16 copy of Ψ/K
+        (flat_bf16, no_copies), (hier_bf16, copies) = result["bf16 flat"], result["bf16 hier"]
+        assert all(torch.equal(hier_bf16[k], flat_bf16[k]) for k in flat_bf16), f"rank {rank}: bf16 runs differ"
+        assert no_copies == 0 and copies > 0
         hier, flat = result["hier"]["phases"], result["flat"]["phases"]
         psi = 4 * result["hier"]["padded"]  # padded fp32 bytes of the model (gathered and reduced alike)
         # backward re-gathers (and the second micro-step's forward) stay inside the node ...
         for name in ("backward 0", "forward 1", "backward 1"):
-            assert hier[name]["all_gather_total"] > 0, f"{name}: the engine gathered nothing (test is blind)"
+            assert hier[name]["#all_gather"] > 0, f"{name}: the engine gathered nothing (test is blind)"
             assert hier[name].get("all_gather", 0) == 0, f"rank {rank} {name}: parameter bytes crossed nodes"
         # ... while flat stage 3 sends them across (the test would catch a world gather in backward)
         assert _sum(flat, "backward", "all_gather") > 0
         # per step, (N - G)/N × (Ψ + m·Ψ): one world gather (the first forward) and the m reduce-scatters
         steps = 3
         assert _sum(hier, "", "all_gather") == pytest.approx(remote * psi * steps, rel=1e-9)
-        inter = sum(sum(kinds.get(k, 0) for k in kinds if k != "all_gather_total") for kinds in hier.values())
+        inter = sum(sum(sent for k, sent in kinds.items() if k[0] != "#") for kinds in hier.values())
         assert inter / steps == pytest.approx(remote * (psi + ACCUM * psi), rel=0.02)
-        flat_inter = sum(sum(kinds.get(k, 0) for k in kinds if k != "all_gather_total") for kinds in flat.values())
+        flat_inter = sum(sum(sent for k, sent in kinds.items() if k[0] != "#") for kinds in flat.values())
         assert inter < 0.6 * flat_inter, (inter, flat_inter)
-        # zero-estimate's hierarchical row predicts the inter-node bytes before any run
+        # zero-estimate's hierarchical row predicts the inter-node bytes before any run, and bounds the intra-node
+        # ones (it counts 2m - 1 node gathers; the engine keeps the root and the last unit whole into backward)
         assert estimate.inter_bytes == pytest.approx(inter / steps, rel=0.02)
+        assert _sum(hier, "", "#intra") / steps <= estimate.intra_bytes <= 1.5 * _sum(hier, "", "#intra") / steps
         # memory: flat stage 3's 3Ψ/N (shard, gradient slice, momentum) plus the Ψ/K secondary copy
         params, _, _, total = result["hier"]["memory"]
         assert total == pytest.approx(psi * (3 / WORLD + 1 / PER_NODE), rel=0.02)
         assert params - result["flat"]["memory"][0] == psi // PER_NODE
         assert result["flat"]["memory"][3] == pytest.approx(psi * 3 / WORLD, rel=0.02)
         assert "hierarchical_params=3 must divide the world size 4" in result["error"]
+        assert result["world groups"] is None
+        assert len(result["warnings"]) == 1 and "groups of 2 ranks span nodes" in result["warnings"][0]
 
 
 def test_hierarchical_params_validation():

@@ -22,6 +22,7 @@ gather and reduce-scatter.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -134,7 +135,15 @@ def build_param_group(hierarchical_params: int | str | None, topology: Topology)
     size = resolve_shard_group_size(hierarchical_params, topology, "hierarchical_params")
     if hierarchical_params is None or size == world:
         return None
-    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+    members = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+    if not all(topology.one_node_holds(ranks) for ranks in members):  # correct, but saves nothing: say so
+        warnings.warn(
+            f"hierarchical_params={hierarchical_params!r}: groups of {size} ranks span nodes "
+            f"({topology.ranks_per_node()} rank(s) per node), so the gathers from the secondary copies cross nodes "
+            "too; use 'node' or a divisor of the ranks per node.",
+            stacklevel=3,
+        )
+    groups = [dist.new_group(ranks) for ranks in members]
     return ParamGroup(groups[rank // size], rank % size, size)
 
 
