@@ -134,6 +134,10 @@ def hierarchical_worker(rank: int, world: int) -> dict:
         engine.release()
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # 4 nodes of 1: groups of 2 span nodes
         ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=2)).release()
+        os.environ["LOCAL_WORLD_SIZE"] = "4"  # one node: the world gather stays inside it, no copy is built
+        engine = ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=2))
+        out["one node groups"] = engine.ctx.param_group
+        engine.release()
         os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     out["flat"] = _bytes_run(rank, world, ZeroConfig(stage=3))
@@ -190,7 +194,7 @@ def test_hierarchical_stage3_matches_ddp_and_gathers_inside_the_node():
         assert params - result["flat"]["memory"][0] == psi // PER_NODE
         assert result["flat"]["memory"][3] == pytest.approx(psi * 3 / WORLD, rel=0.02)
         assert "hierarchical_params=3 must divide the world size 4" in result["error"]
-        assert result["world groups"] is None
+        assert result["world groups"] is None and result["one node groups"] is None
         assert len(result["warnings"]) == 1 and "groups of 2 ranks span nodes" in result["warnings"][0]
 
 

@@ -129,11 +129,11 @@ class RankLayout:
 
 def build_param_group(hierarchical_params: int | str | None, topology: Topology) -> ParamGroup | None:
     """Collective over the default process group: this rank's secondary group of K consecutive ranks. None when
-    off, or when K is the whole world (one node: the first gather never leaves the node anyway, so a secondary
-    copy would cost memory and save nothing)."""
+    off, when K is the whole world or when every rank sits on one node: then the world gather never leaves the
+    node anyway, so a secondary copy would cost memory and save nothing."""
     world, rank = dist.get_world_size(), dist.get_rank()
     size = resolve_shard_group_size(hierarchical_params, topology, "hierarchical_params")
-    if hierarchical_params is None or size == world:
+    if hierarchical_params is None or size == world or topology.num_nodes == 1:
         return None
     members = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
     if not all(topology.one_node_holds(ranks) for ranks in members):  # correct, but saves nothing: say so
