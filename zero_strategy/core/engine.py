@@ -7,6 +7,10 @@ Communication plan of one optimizer step (Ψ parameters, N ranks):
   step as in stage 1 (Ψ).
 - stage 3: a unit is all-gathered before its forward (Ψ) and again before its backward (Ψ), and reduce-scattered
   after it (Ψ per micro-step); nothing is gathered after the step — the next forward gathers the new values.
+  Hierarchical (``hierarchical_params``): only a unit's first gather after a step crosses the world; the others
+  gather the node-local secondary copies (see core/hierarchical.py).
+- hybrid sharding (``shard_group_size``): the above inside each shard group, then one all-reduce of the
+  accumulated gradient slice over the replicas per step (see [Note: hybrid sharding] in transport/topology.py).
 Global-norm clipping adds one scalar all-reduce.
 """
 
