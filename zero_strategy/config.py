@@ -122,6 +122,13 @@ class ZeroConfig:
     replicas across groups, gradients averaged over the replicas). "node": the ranks of one node (as the launcher
     defines nodes). None: the whole world (flat ZeRO). K must divide the world size."""
 
+    hierarchical_params: Any = None  # int | "node" | None; `Any` for OmegaConf, as shard_group_size
+    """Stage 3, hierarchical partitioning (ZeRO++ hpZ): besides the shards across the whole world (the fp32
+    masters, gradients and optimizer state, as flat stage 3), each rank keeps 1/K of the compute-dtype parameters,
+    K = the ranks of one node ("node") or a number of consecutive ranks. The first gather of each unit after an
+    optimizer step crosses the world and fills that copy; every later gather (backward, further micro-steps) stays
+    inside the group of K. Costs Ψ/K compute-dtype elements per rank. None: off."""
+
     def __post_init__(self) -> None:
         if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
@@ -154,6 +161,7 @@ class ZeroConfig:
                 f"shard_group_size={size!r}: use a positive number of ranks that divides the world size, 'node' "
                 "(the ranks of one node) or None (the whole world)."
             )
+        self._validate_hierarchical()
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."
@@ -163,6 +171,31 @@ class ZeroConfig:
     def zero_stage(self) -> ZeroStage:
         """``stage`` as a :class:`ZeroStage`, whose properties are the only place the stage's decisions live."""
         return ZeroStage(self.stage)
+
+    def _validate_hierarchical(self) -> None:
+        value = self.hierarchical_params
+        if value is None:
+            return
+        if value != "node" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ZeroConfigError(
+                f"hierarchical_params={value!r}: use 'node' (a secondary copy per node), a positive number of "
+                "consecutive ranks that divides the world size, or None (off)."
+            )
+        if not self.zero_stage.reshards_parameters:
+            raise ZeroConfigError(
+                f"hierarchical_params needs stage=3 (stage {self.stage} never gathers parameters in backward); "
+                "use stage=3 or drop hierarchical_params."
+            )
+        if self.shard_group_size is not None:
+            raise ZeroConfigError(
+                "hierarchical_params and shard_group_size do not combine: hybrid sharding already gathers only "
+                "inside a shard group. Use one of them."
+            )
+        if self.offload_optimizer is not OffloadDevice.none or self.offload_param is not OffloadDevice.none:
+            raise ZeroConfigError(
+                "hierarchical_params is not supported with offload (the secondary copy would live next to the "
+                "offloaded shards); drop offload_optimizer/offload_param or hierarchical_params."
+            )
 
     def _validate_offload(self) -> None:
         for key in ("offload_optimizer", "offload_param"):

@@ -79,6 +79,11 @@ def hybrid_worker(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         states, norms, engine = _zero_run(rank, world, ZeroConfig(stage=stage, shard_group_size="node"), ACCUM, STEPS)
         out[stage] = (states, norms, engine.ctx.world_size, engine.ctx.replicas.count if engine.ctx.replicas else 1)
+        # the replica all-reduce over the steps measured (1..STEPS-1), against one fp32 slice per FlatParam and step
+        kinds, calls = engine.comm_log.bytes_by_kind, engine.comm_log.calls_by_kind
+        slices = [sum(piece.numel() for piece in flat.master_pieces) for flat in engine.flat_params]
+        out[f"replica {stage}"] = (kinds["replica_all_reduce"] / (STEPS - 1), calls["replica_all_reduce"] / (STEPS - 1),
+                                   4 * sum(slices), sum(1 for n in slices if n))
         engine.release()
     for name, config in (("flat", ZeroConfig(stage=3)), ("hybrid", ZeroConfig(stage=3, shard_group_size=2))):
         # wider model: the few scalar all-reduces of a step stay far below the 2 % the byte formulas are held to
@@ -107,6 +112,9 @@ def test_hybrid_sharding_matches_ddp_and_keeps_bytes_inside_nodes():
             assert norms == pytest.approx(ddp_norms, rel=1e-5), f"stage {stage} rank {rank}: global norm"
             for step, (got, ref) in enumerate(zip(states, ddp_states, strict=True)):
                 assert_state_close(got, ref, rel=1e-5, what=f"hybrid stage {stage} rank {rank} step {step}")
+            # once per optimizer step, not once per micro-step (ACCUM = 2): the accumulated slice, in fp32
+            sent, calls, slice_bytes, flats = result[f"replica {stage}"]
+            assert (sent, calls) == (slice_bytes, flats), f"stage {stage}: replica all-reduce per step"
     # Per rank and optimizer step, 2 nodes × G = 2 ranks (N = 4), K = G (R = 2 replicas); AG, RS: the bytes of the
     # step's all-gathers and reduce-scatters (full-buffer convention), Ψ: the padded fp32 bytes of the model:
     #   flat zero3:  inter-node = (N - G) / N × (AG + RS)        every exchange sends 1/N to each of N - G remote peers

@@ -101,6 +101,16 @@ def test_bad_override_exits_early_naming_the_key(override: str, key: str, tmp_pa
 
 
 @pytest.mark.timeout(30)
+def test_hierarchical_params_override_reaches_the_strategy() -> None:
+    cfg = compose_config(["strategy=zero3", "strategy.hierarchical_params=node"])
+    name, zero_config = check_strategy(cfg.strategy)
+    strategy = build_strategy(name, zero_config, cfg, build_precision(cfg))
+    assert strategy.config.hierarchical_params == "node"
+    with pytest.raises(SystemExit, match="strategy: hierarchical_params needs stage=3"):
+        check_strategy(compose_config(["strategy=zero2", "strategy.hierarchical_params=node"]).strategy)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

@@ -1,5 +1,6 @@
 """One rank of a multi-node run (started by torchrun or with the variables srun sets; see test_multinode.py):
-the same tiny fit under DDP, then under ZeRO with shard groups of one node, on ``devices=2, num_nodes=2``. Each rank
+the same tiny fit under DDP, then under ZeRO with shard groups of one node (and, with ``ZERO_HIERARCHICAL`` set,
+hierarchical stage 3), on ``devices=2, num_nodes=2``. Each rank
 writes what it saw to ``OUT/<label>_rank<r>.pt``: the final weights, the nodes the strategy knew of, and the bytes
 it sent per link."""
 
@@ -51,7 +52,8 @@ class Observe(pl.Callback):
             topology = engine.comm_log.topology
             replicas = engine.ctx.replicas.count if engine.ctx.replicas else 1
             self.seen.update(nodes=topology.num_nodes if topology else 1, links=dict(engine.comm_log.bytes_by_link),
-                             shard_world=engine.ctx.world_size, replicas=replicas)
+                             shard_world=engine.ctx.world_size, replicas=replicas,
+                             param_group=engine.ctx.param_group.size if engine.ctx.param_group else None)
 
 
 def fit(label: str, strategy: pl.strategies.Strategy, out: Path) -> None:
@@ -73,3 +75,5 @@ if __name__ == "__main__":
     fit("ddp", DDPStrategy(process_group_backend="gloo", timeout=timeout), out_dir)
     fit("zero", ZeroStrategy(stage=int(os.environ.get("ZERO_STAGE", "3")), shard_group_size="node",
                              process_group_timeout_s=60), out_dir)
+    if os.environ.get("ZERO_HIERARCHICAL"):  # hierarchical stage 3: a secondary parameter copy per node
+        fit("hierarchical", ZeroStrategy(stage=3, hierarchical_params="node", process_group_timeout_s=60), out_dir)

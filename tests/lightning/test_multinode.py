@@ -43,12 +43,14 @@ def torchrun_pair(args: list[str], timeout: float) -> list[subprocess.CompletedP
     return [_finish(agent, timeout) for agent in agents]
 
 
-def slurm_tasks(args: list[str], timeout: float) -> list[subprocess.CompletedProcess[str]]:
+def slurm_tasks(
+    args: list[str], timeout: float, extra_env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
     """Four processes with what ``srun --nodes=2 --ntasks-per-node=2`` sets for each task."""
     port = free_port()
     tasks = []
     for rank in range(4):
-        env = _clean_env() | {
+        env = _clean_env() | (extra_env or {}) | {
             "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_PROCID": str(rank),
             "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2), "SLURM_NODELIST": "127.0.0.1",
             "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "zero-multinode", "MASTER_ADDR": "127.0.0.1",
@@ -104,7 +106,13 @@ def test_torchrun_two_nodes_match_ddp_and_train_example_runs(tmp_path: Path) -> 
     assert "4 rank(s)" in runs[0].stdout and "final val_loss=" in runs[0].stdout, runs[0].stdout[-3000:]
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(130)
 def test_slurm_variables_two_nodes_match_ddp(tmp_path: Path) -> None:
-    _assert_ok(slurm_tasks([str(SCRIPT), str(tmp_path)], timeout=90))
+    _assert_ok(slurm_tasks([str(SCRIPT), str(tmp_path)], timeout=110, extra_env={"ZERO_HIERARCHICAL": "1"}))
     _assert_parity_and_two_nodes(tmp_path, "SLURMEnvironment")
+    for rank in range(4):  # hierarchical stage 3 through Lightning: nodes from SLURM's variables, parity with DDP
+        ddp, hier = torch.load(tmp_path / f"ddp_rank{rank}.pt"), torch.load(tmp_path / f"hierarchical_rank{rank}.pt")
+        assert (hier["nodes"], hier["shard_world"], hier["param_group"]) == (2, 4, 2)
+        for name, ref in ddp["state"].items():
+            err = ((hier["state"][name] - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 1e-5, f"hierarchical rank {rank}: {name} differs from DDP by {err:.1e} (relative)"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import zero_strategy
+from zero_strategy.config import ZeroConfig
 from zero_strategy.deepspeed_config import (
     BatchRule,
     DeepSpeedConfigError,
@@ -113,6 +114,17 @@ def test_offload_param_below_stage3_is_inert_and_cpu_sub_group_is_reported():
     assert result.zero_options == {"stage": 2, "offload_optimizer": "cpu", "pin_memory": False}  # DeepSpeed default
     assert result.unmapped == ["zero_optimization.offload_param.device", "zero_optimization.sub_group_size"]
     assert len(caught) == 1
+
+
+def test_hpz_partition_size_maps_to_hierarchical_params():
+    """ZeRO++'s ``zero_hpz_partition_size`` (ranks of the secondary group; 1 = off) is hierarchical stage 3."""
+    result = _quiet({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
+    assert result.zero_options == {"stage": 3, "hierarchical_params": 8}
+    assert ZeroConfig(**result.zero_config_kwargs()).hierarchical_params == 8
+    assert _quiet({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).zero_options == {"stage": 3}
+    result, caught = _parse({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}})
+    assert result.zero_options == {"stage": 2} and len(caught) == 1
+    assert "stage 3 only" in result.reasons["zero_optimization.zero_hpz_partition_size"]
 
 
 def test_nvme_paths_that_differ_use_the_optimizer_one():

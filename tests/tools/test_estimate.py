@@ -267,7 +267,7 @@ def test_console_script_points_at_main():
     assert 'zero-estimate = "zero_strategy.estimate.cli:main"' in scripts.splitlines()
 
 
-def test_cli_predicts_bytes_per_link_for_flat_and_hybrid(capsys):
+def test_cli_predicts_bytes_per_link_for_flat_hybrid_and_hierarchical(capsys):
     """``--nodes``: per-link bytes and time per step; the hybrid layout keeps gathers inside the nodes (the figures
     themselves are held to measured bytes in tests/distributed/test_hybrid_sharding.py)."""
     from zero_strategy.estimate.cli import main
@@ -281,3 +281,9 @@ def test_cli_predicts_bytes_per_link_for_flat_and_hybrid(capsys):
     # flat: 3 exchanges of 4 GB, 4 of 7 peers remote, 1/8 each: 6 GB across nodes; hybrid: 2·(1 GB)/2 = 1 GB
     assert flat[1] == pytest.approx(6e9 / 2**30, abs=1e-3) and hybrid[1] == pytest.approx(1e9 / 2**30, abs=1e-3)
     assert hybrid[2] < flat[2]  # less time: the slow link carries less
+    # hierarchical: one world gather and the reduce-scatter cross (2 × 4 GB × 4/8 = 4 GB); the backward gather
+    # stays inside the node (4 GB / 4 to each of 3 peers) beside the world exchanges' 3/8 of 8 GB
+    assert stage3[4].startswith("hierarchical K=4")
+    hierarchical = [float(x) for x in stage3[4].split()[2:]]
+    assert hierarchical[1] == pytest.approx(4e9 / 2**30, abs=1e-3)
+    assert hierarchical[0] == pytest.approx(6e9 / 2**30, abs=1e-3)

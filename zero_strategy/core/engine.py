@@ -7,6 +7,10 @@ Communication plan of one optimizer step (Ψ parameters, N ranks):
   step as in stage 1 (Ψ).
 - stage 3: a unit is all-gathered before its forward (Ψ) and again before its backward (Ψ), and reduce-scattered
   after it (Ψ per micro-step); nothing is gathered after the step — the next forward gathers the new values.
+  Hierarchical (``hierarchical_params``): only a unit's first gather after a step crosses the world; the others
+  gather the node-local secondary copies (see core/hierarchical.py).
+- hybrid sharding (``shard_group_size``): the above inside each shard group, then one all-reduce of the
+  accumulated gradient slice over the replicas per step (see [Note: hybrid sharding] in transport/topology.py).
 Global-norm clipping adds one scalar all-reduce.
 """
 
@@ -129,7 +133,7 @@ class ZeroEngine:
             self.shared.after_writes()  # the replayed shards are complete before any peer gathers them
         self._sync_buffers()
         self._repoint_optimizers()
-        # one order for the whole run: replicas all-reduce their slices in the order their groups reduce them
+        # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.ctx.everyone, self.ctx.everyone_src, self._collective)
         self.hooks = RuntimeHooks(
             self.units, self.stage, entry_module or module, config.prefetch, self._before_root_forward, order
@@ -264,7 +268,8 @@ class ZeroEngine:
 
         The first call of a step agrees on which parameters some rank used (see [Note: unused parameters] in
         unused.py); at stage 1 every rank then reduces every FlatParam some rank used, with zeros where it has no
-        gradient, so the ranks issue the same reductions."""
+        gradient, so the ranks issue the same reductions. With hybrid sharding the slices accumulated since the
+        last step are then averaged over the replicas, once per step (see [Note: hybrid sharding])."""
         index = self.optimizer_index(optimizer)
         force = None
         if index not in self._agreed:
@@ -281,6 +286,14 @@ class ZeroEngine:
             unit.start_reduce(index, force=force)
         for unit in self.units:
             unit.finish_reduce()
+        averaging = [flat for flat in self._flat_params_of(index) if flat.replica_average_pending]
+        if averaging:  # hybrid sharding: once per step, on the slices accumulated over the micro-steps
+
+            def average() -> None:
+                for flat in averaging:
+                    flat.average_over_replicas()
+
+            self._collective("replica all-reduce", average)
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (see core/gradients.py). Collective."""

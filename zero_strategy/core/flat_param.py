@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice
+from zero_strategy.core.hierarchical import SecondaryCopy
 from zero_strategy.core.layout import FlatLayout
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.transport.choice import DistContext
@@ -28,6 +29,7 @@ from zero_strategy.core.transport.collectives import (
     PendingGather,
     PendingReduce,
     all_gather_flat,
+    all_reduce_mean_over_replicas,
     broadcast_flat,
     start_reduce_scatter_mean,
 )
@@ -68,6 +70,7 @@ class FlatParam:
     piece_offset: list[int]  # for each master piece, where it starts inside `shard`
     label: str = ""  # the unit this FlatParam belongs to, for messages
     watch: GatherWatch | None = None  # stage 3, network gathers: see [Note: diverging gathers]
+    secondary: SecondaryCopy | None  # hierarchical stage 3: this rank's 1/K of `full`, see core/hierarchical.py
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class FlatParam:
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self.reduce_dtype = options.reduce_dtype
+        self.replica_average_pending = False  # hybrid sharding: reduced slices not yet averaged over the replicas
         self.keeps_full = options.keeps_full
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
@@ -140,6 +144,10 @@ class FlatParam:
             elif compute_dtype != first.dtype:
                 full = full.to(compute_dtype)
         self.full = full
+        param_group = self.ctx.param_group
+        self.secondary = None if options.keeps_full or param_group is None else SecondaryCopy(
+            self.layout.padded_numel, full.dtype, full.device, param_group)  # see [Note: hierarchical parameters]
+        self._fills_secondary = False  # the gather in flight comes from the world and refreshes `secondary`
         # Offloaded masters but parameters kept on a GPU: a compute-dtype copy of the shard waits on the device, so
         # a gather needs no host-to-device copy (refreshed after every step).
         self._device_source: Tensor | None = None
@@ -234,9 +242,14 @@ class FlatParam:
                 self._shared.release_peers(self._shared_key)
             self.state = ShardState.UNSHARDED
             return
-        self._pending = all_gather_flat(
-            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
-        )
+        secondary = self.secondary
+        if secondary is not None and secondary.fresh:  # hierarchical stage 3: gathered inside the node
+            self._pending = secondary.start_gather(self.full, self.log, self.ctx.point_to_point, self._salt)
+        else:
+            self._pending = all_gather_flat(
+                self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
+            )
+            self._fills_secondary = secondary is not None
         if self.watch is not None and self._pending.work is not None:
             self._pending = self._pending._replace(work=self.watch.watched("gather", self.label, self._pending.work))
 
@@ -248,19 +261,24 @@ class FlatParam:
             self.start_unshard()
             if self.state is ShardState.UNSHARDED:  # shared-memory shards: the gather was a copy, already done
                 return
+        self._land_gather()
+        if self.placement is not None:
+            self.placement.after_host_read()
+
+    def _land_gather(self) -> None:
+        """Wait for the gather in flight; ``full`` holds the parameters afterwards."""
         assert self._pending is not None
         self._pending.wait()
         self._pending = None
         self.state = ShardState.UNSHARDED
-        if self.placement is not None:
-            self.placement.after_host_read()
+        if self._fills_secondary and self.secondary is not None:
+            self.secondary.keep_slice_of(self.full)
+            self._fills_secondary = False
 
     def reshard(self) -> None:
         """Free ``full``'s storage; the module's parameter views keep their shapes but hold no memory."""
         if self._pending is not None:  # a prefetch nobody used: let it land before freeing its buffer
-            self._pending.wait()
-            self._pending = None
-            self.state = ShardState.UNSHARDED
+            self._land_gather()
         if self.state is ShardState.SHARDED:
             return
         self.full.untyped_storage().resize_(0)
@@ -273,6 +291,8 @@ class FlatParam:
         if self.keeps_full:
             return self.start_refresh_full_from_shards()
         self.reshard()
+        if self.secondary is not None:
+            self.secondary.mark_stale()
         return lambda: None
 
     def release_gathered(self) -> None:
@@ -334,6 +354,7 @@ class FlatParam:
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
         self.finish_reduce()  # the exchange must complete on every rank, whatever we do with its result
+        self.replica_average_pending = False  # every replica skips the same step: none averages
         self.grad_stash = None
         self.grad_seen = [False] * len(self.params)
         for param in self.params:
@@ -359,9 +380,7 @@ class FlatParam:
             return
         self.finish_reduce()
         flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
-        self._pending_reduce = start_reduce_scatter_mean(
-            flat, self.ctx.group, self.log, self.ctx.point_to_point, self.ctx.replicas
-        )
+        self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
         watch = self.watch
         if watch is not None:
             self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))
@@ -384,6 +403,24 @@ class FlatParam:
                 piece.grad.add_(chunk.to(piece.device))
         if self._grad_file is not None and self.placement is not None:
             self.placement.after_host_read()  # the slice is in the file: its pages leave this process
+        replicas = self.ctx.replicas
+        self.replica_average_pending = replicas is not None and replicas.count > 1 and bool(self.master_pieces)
+
+    def average_over_replicas(self) -> None:
+        """Hybrid sharding: average the gradient slice accumulated since the last step over the replica group, once
+        per optimizer step (see [Note: hybrid sharding] in transport/topology.py). Collective over the replicas;
+        every replica has the same pieces (the same slice of the same layout), so they agree on calling it."""
+        if not self.replica_average_pending or self.ctx.replicas is None:
+            return
+        self.replica_average_pending = False
+        grads = [piece.grad for piece in self.master_pieces if piece.grad is not None]
+        assert len(grads) == len(self.master_pieces), "every piece has a gradient after a reduction"
+        # one exchange per FlatParam: the pieces' gradients side by side (a copy only when there are several)
+        joined = grads[0] if len(grads) == 1 else torch.cat([grad.reshape(-1) for grad in grads])
+        all_reduce_mean_over_replicas(joined, self.ctx.replicas, self.log, self.ctx.point_to_point)
+        if len(grads) > 1:
+            for grad, part in zip(grads, joined.split([grad.numel() for grad in grads]), strict=True):
+                grad.copy_(part.view_as(grad))
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
         """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""

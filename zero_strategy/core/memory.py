@@ -39,15 +39,18 @@ def storage_bytes(tensors: Iterable[Tensor], seen: set[int] | None = None) -> in
 
 def memory_report(engine: ZeroEngine) -> MemoryReport:
     """Bytes of every tensor the engine keeps for the model between steps: parameters (the gathered ``full``
-    buffers, the shards and, with offload to a GPU-less host, the device-side compute copies), gradients (the
-    module's ``.grad``, stage 1's fp32 accumulation stash under bf16/fp16, the master slices' gradients) and the
-    optimizers' state. Each storage is counted once, whatever views share it."""
+    buffers, the shards, hierarchical stage 3's secondary copies and, with offload to a GPU-less host, the
+    device-side compute copies), gradients (the module's ``.grad``, stage 1's fp32 accumulation stash under
+    bf16/fp16, the master slices' gradients) and the optimizers' state. Each storage is counted once, whatever
+    views share it."""
     seen: set[int] = set()
     param_tensors: list[Tensor] = []
     for flat in engine.flat_params:
         param_tensors.extend([flat.full, flat.shard])
         if flat.device_source is not None:
             param_tensors.append(flat.device_source)
+        if flat.secondary is not None:  # hierarchical stage 3's node-local copy
+            param_tensors.append(flat.secondary.values)
     parameters = storage_bytes(param_tensors, seen)
     grad_tensors = [p.grad for flat in engine.flat_params for p in flat.params if p.grad is not None]
     # stage 1 under bf16/fp16 accumulates in fp32 here until the step (see FlatParam.stash_grad)

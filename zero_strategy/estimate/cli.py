@@ -165,14 +165,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _traffic_report(args: argparse.Namespace, param_count: float) -> str:
-    """Bytes per link and communication time per step, flat and hybrid (one shard group per node), per stage."""
+    """Bytes per link and communication time per step, flat and hybrid (one shard group per node), per stage, and
+    at stage 3 hierarchical (a secondary parameter copy per node)."""
     topology = Topology.uniform(args.world_size, args.gpus_per_node)
     gathered = 4 if args.precision == "32-true" else 2  # gradients are reduced in fp32 by default
+    bandwidth, per_node = (args.intra_gbps, args.inter_gbps), args.nodes > 1 and args.gpus_per_node > 1
     blocks = []
     for stage in (1, 2, 3):
-        layouts = [None] + (["node"] if args.nodes > 1 and args.gpus_per_node > 1 else [])
-        rows = [estimate_traffic(param_count, stage, topology, k, (args.intra_gbps, args.inter_gbps), (gathered, 4))
-                for k in layouts]
+        layouts = [None] + (["node"] if per_node else [])
+        rows = [estimate_traffic(param_count, stage, topology, k, bandwidth, (gathered, 4)) for k in layouts]
+        if stage == 3 and per_node:
+            rows.append(estimate_traffic(param_count, 3, topology, None, bandwidth, (gathered, 4),
+                                         hierarchical_params="node"))
         blocks.append(format_traffic(rows, stage))
     return "\n".join(blocks)
 

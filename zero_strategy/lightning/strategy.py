@@ -24,7 +24,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -33,7 +33,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -51,6 +51,7 @@ from zero_strategy.core.transport.topology import RankLayout, Topology, build_ra
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
+from zero_strategy.lightning.forward_entry import ForwardEntry
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import to_zero_precision
 from zero_strategy.lightning.preemption import install_preemption_saver
@@ -65,18 +66,6 @@ from zero_strategy.lightning.sharded_init import (
     warn_parameters_stay_sharded,
 )
 from zero_strategy.names import STRATEGY_NAMES
-
-
-class _ForwardEntry(nn.Module):
-    """The module Lightning calls for every step (through its forward redirection), so that the root unit's
-    gather/free hooks run around ``training_step`` / ``validation_step`` whatever the step touches."""
-
-    def __init__(self, module: LightningModule) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -262,7 +251,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._weights_engine = self._engine
         if self._checkpoint_policy is not None:
             apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
-        entry = _ForwardEntry(module)
+        entry = ForwardEntry(module)
         trainer = module.trainer
         # Only a fit steps optimizers; validate/test/predict after a fit must not re-bind the fit's optimizers.
         optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
@@ -286,7 +275,7 @@ class ZeroStrategy(ParallelStrategy):
             return None
         if self._layout is None:
             topology = Topology.uniform(self.world_size, self.num_processes)
-            self._layout = build_rank_layout(self.config.shard_group_size, topology)
+            self._layout = build_rank_layout(self.config.shard_group_size, topology, self.config.hierarchical_params)
         return self._layout
 
     @classmethod

@@ -18,7 +18,7 @@ from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, prefers_point_to_point
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards
-from zero_strategy.core.transport.topology import RankLayout, Replicas, Topology, build_rank_layout
+from zero_strategy.core.transport.topology import ParamGroup, RankLayout, Replicas, Topology, build_rank_layout
 
 T = TypeVar("T")
 _watch_numbers = itertools.count()  # one store namespace per engine (engines are built in the same order everywhere)
@@ -36,6 +36,7 @@ class DistContext:
     replicas: Replicas | None = None  # hybrid sharding: the ranks owning the same slice in other shard groups
     everyone: ProcessGroup = None  # every rank of the run: `group`, or the world when there are replicas
     one_node: bool = True  # the topology puts every rank of `group` on one node
+    param_group: ParamGroup | None = None  # hierarchical stage 3: the secondary copy's group, or None
 
     @property
     def everyone_src(self) -> int:
@@ -50,13 +51,14 @@ def rank_layout(group: ProcessGroup | RankLayout, config: ZeroConfig) -> RankLay
         return group
     if not (dist.is_available() and dist.is_initialized()):
         return RankLayout(Topology.one_node(1), group)
-    if config.shard_group_size is not None and group is not None:
+    layered = config.shard_group_size is not None or config.hierarchical_params is not None
+    if layered and group is not None:
         raise ZeroConfigError(
-            "shard_group_size builds its groups from the whole world; with a process group of your own pass "
-            "group=build_rank_layout(...) (zero_strategy.core.transport.topology) instead of a group."
+            "shard_group_size and hierarchical_params build their groups from the whole world; with a process "
+            "group of your own pass group=build_rank_layout(...) (zero_strategy.core.transport.topology) instead."
         )
-    if config.shard_group_size is not None:
-        return build_rank_layout(config.shard_group_size)
+    if layered:
+        return build_rank_layout(config.shard_group_size, hierarchical_params=config.hierarchical_params)
     return RankLayout(Topology.from_env(dist.get_world_size()), group)
 
 
@@ -70,7 +72,8 @@ def dist_context(layout: RankLayout, collectives: str) -> DistContext:
         everyone = group if layout.replicas is None else None
         one_node = layout.topology.one_node_holds(members)
         return DistContext(
-            group, dist.get_rank(group), dist.get_world_size(group), src, p2p, layout.replicas, everyone, one_node
+            group, dist.get_rank(group), dist.get_world_size(group), src, p2p, layout.replicas, everyone, one_node,
+            layout.param_group,
         )
     return DistContext(None, 0, 1, 0)
 

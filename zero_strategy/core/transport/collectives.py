@@ -44,6 +44,8 @@ class CommunicationLog:
     GPU, where NCCL runs on its own stream, this is the host-side time only)."""
     bytes_by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes this rank sent, by link ("intra_node" / "inter_node"): see the module docstring."""
+    inter_node_bytes_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """The ``inter_node`` part of ``bytes_by_link`` per collective kind (which exchanges cross nodes)."""
     topology: Topology | None = None  # None: every rank on one node
     _members: dict[int, list[int]] = field(default_factory=dict)  # id(group) → its global ranks
 
@@ -51,7 +53,7 @@ class CommunicationLog:
         self.bytes_by_kind[kind] += nbytes
         self.calls_by_kind[kind] += 1
 
-    def record_sends(self, group: ProcessGroup, bytes_per_peer: int, only_from: int | None = None) -> None:
+    def record_sends(self, kind: str, group: ProcessGroup, bytes_per_peer: int, only_from: int | None = None) -> None:
         """This rank sends ``bytes_per_peer`` to every other rank of ``group`` (``only_from``: only if this rank
         is that global rank, as a broadcast's source)."""
         if not (dist.is_available() and dist.is_initialized()) or bytes_per_peer == 0:
@@ -66,6 +68,8 @@ class CommunicationLog:
             if peer != me:
                 link = INTRA_NODE if self.topology is None else self.topology.link(me, peer)
                 self.bytes_by_link[link] += bytes_per_peer
+                if link != INTRA_NODE:
+                    self.inter_node_bytes_by_kind[kind] += bytes_per_peer
 
     @contextmanager
     def blocking(self, kind: str) -> Iterator[None]:
@@ -80,6 +84,7 @@ class CommunicationLog:
         self.calls_by_kind.clear()
         self.seconds_by_kind.clear()
         self.bytes_by_link.clear()
+        self.inter_node_bytes_by_kind.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes_by_kind)
@@ -130,7 +135,7 @@ def all_gather_flat(
     """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order (``salt``: see
     :func:`point_to_point.all_gather`)."""
     log.record("all_gather", output.numel() * output.element_size())
-    log.record_sends(group, shard.numel() * shard.element_size())
+    log.record_sends("all_gather", group, shard.numel() * shard.element_size())
     if _world(group) == 1:
         output.copy_(shard)
         return PendingGather(None, output)
@@ -148,22 +153,13 @@ def all_gather_flat(
 class PendingReduce:
     """A reduce-scatter started asynchronously; :meth:`wait` returns this rank's averaged slice.
 
-    It holds the flattened input until then (the sends read from it). With ``replicas`` (hybrid sharding) the
-    averaged slice is then averaged over the replica group too (see [Note: hybrid sharding] in topology.py)."""
+    It holds the flattened input until then (the sends read from it)."""
 
-    def __init__(
-        self,
-        work: Waitable | None,
-        shard: Tensor,
-        world: int,
-        log: CommunicationLog,
-        replicas: tuple[Replicas, bool] | None = None,
-    ) -> None:
+    def __init__(self, work: Waitable | None, shard: Tensor, world: int, log: CommunicationLog) -> None:
         self._work = work
         self._shard = shard
         self._world = world
         self._log = log
-        self._replicas = replicas  # (replica group, point-to-point), until the slice was averaged over it
 
     def watch(self, wrap: Callable[[Waitable], Waitable]) -> None:
         """Wait through ``wrap(work)`` instead (see [Note: diverging gathers] in gather_watch.py)."""
@@ -176,36 +172,27 @@ class PendingReduce:
                 self._work.wait()
             self._work = None
             self._shard.div_(self._world)
-        if self._replicas is not None:
-            (replicas, point_to_point), self._replicas = self._replicas, None
-            all_reduce_mean_over_replicas(self._shard, replicas, self._log, point_to_point)
         return self._shard
 
 
 def start_reduce_scatter_mean(
-    flat: Tensor,
-    group: ProcessGroup,
-    log: CommunicationLog,
-    point_to_point: bool = False,
-    replicas: Replicas | None = None,
+    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
 ) -> PendingReduce:
-    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor).
-    ``replicas``: the slice is then averaged over this rank's replica group as well (hybrid sharding)."""
+    """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor)."""
     world = _world(group)
     log.record("reduce_scatter", flat.numel() * flat.element_size())
-    log.record_sends(group, flat.numel() * flat.element_size() // world)
+    log.record_sends("reduce_scatter", group, flat.numel() * flat.element_size() // world)
     shard = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-    across = (replicas, point_to_point) if replicas is not None and replicas.count > 1 else None
     if world == 1:
         shard.copy_(flat)
-        return PendingReduce(None, shard, world, log, across)
+        return PendingReduce(None, shard, world, log)
     work: Waitable | None
     with log.blocking("reduce_scatter"):
         if point_to_point:
             work = point_to_point_exchange.reduce_scatter_sum(shard, flat, group)
         else:
             work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingReduce(work, shard, world, log, across)
+    return PendingReduce(work, shard, world, log)
 
 
 def all_reduce_mean_over_replicas(
@@ -218,14 +205,14 @@ def all_reduce_mean_over_replicas(
     log.record("replica_all_reduce", tensor.numel() * tensor.element_size())
     with log.blocking("replica_all_reduce"):
         if not point_to_point:
-            log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // count)
+            log.record_sends("replica_all_reduce", group, 2 * tensor.numel() * tensor.element_size() // count)
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         else:
             chunk = -(-tensor.numel() // count)
             padded = torch.zeros(chunk * count, dtype=tensor.dtype, device=tensor.device)
             padded[: tensor.numel()].copy_(tensor)
             mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
-            log.record_sends(group, 2 * chunk * tensor.element_size())
+            log.record_sends("replica_all_reduce", group, 2 * chunk * tensor.element_size())
             point_to_point_exchange.reduce_scatter_sum(mine, padded, group).wait()
             point_to_point_exchange.all_gather(padded, mine, group).wait()
             tensor.copy_(padded[: tensor.numel()])
@@ -252,7 +239,7 @@ def all_reduce_max(tensor: Tensor, group: ProcessGroup, log: CommunicationLog) -
 
 def _all_reduce(tensor: Tensor, group: ProcessGroup, log: CommunicationLog, op: Any) -> Tensor:
     log.record("all_reduce", tensor.numel() * tensor.element_size())
-    log.record_sends(group, 2 * tensor.numel() * tensor.element_size() // _world(group))
+    log.record_sends("all_reduce", group, 2 * tensor.numel() * tensor.element_size() // _world(group))
     if _world(group) > 1:
         with log.blocking("all_reduce"):
             dist.all_reduce(tensor, op=op, group=group)
@@ -262,7 +249,7 @@ def _all_reduce(tensor: Tensor, group: ProcessGroup, log: CommunicationLog, op: 
 def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: CommunicationLog) -> Tensor:
     """Overwrite ``tensor`` in place with rank ``src``'s copy (``src`` is a global rank)."""
     log.record("broadcast", tensor.numel() * tensor.element_size())
-    log.record_sends(group, tensor.numel() * tensor.element_size(), only_from=src)
+    log.record_sends("broadcast", group, tensor.numel() * tensor.element_size(), only_from=src)
     if _world(group) > 1:
         with log.blocking("broadcast"):
             dist.broadcast(tensor, src=src, group=group)
