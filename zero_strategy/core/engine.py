@@ -55,6 +55,7 @@ from zero_strategy.core.transport.choice import (
     shared_memory_unavailable,
 )
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, broadcast_flat
+from zero_strategy.core.transport.streams import CollectiveStreams
 from zero_strategy.core.transport.topology import RankLayout
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
@@ -150,7 +151,10 @@ class ZeroEngine:
         self.placement = make_placement(config, device, plans, self.ctx.rank)
         model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
         self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
-        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared, meta_to)
+        self.streams = CollectiveStreams.for_device(device)  # CUDA: gather/reduce/copy side streams; else no-ops
+        options = UnitOptions(
+            not self.stage.reshards_parameters, policy, self.placement, self.shared, meta_to, self.streams
+        )
         try:
             self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
         except BaseException:
@@ -279,6 +283,8 @@ class ZeroEngine:
             unit.start_reduce(index, force=force)
         for unit in self.units:
             unit.finish_reduce()
+        for flat in self._flat_params_of(index):
+            flat.settle_host_grads()  # offload on a GPU: the host reads the gradients next
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (see core/gradients.py). Collective."""

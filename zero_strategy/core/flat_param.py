@@ -32,6 +32,7 @@ from zero_strategy.core.transport.collectives import (
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
+from zero_strategy.core.transport.streams import CollectiveStreams, host_to_device
 
 
 class ShardState(Enum):
@@ -51,6 +52,7 @@ class FlatOptions:
     shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: the compute dtype
     materialize_device: torch.device | None = None  # meta parameters: where their storage is made
+    streams: CollectiveStreams | None = None  # CUDA side streams (see [Note: streams for gathers and reductions])
 
 
 class FlatParam:
@@ -94,6 +96,12 @@ class FlatParam:
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self.reduce_dtype = options.reduce_dtype
         self.keeps_full = options.keeps_full
+        self._streams = options.streams
+        # offload on a GPU: reduced slices on their way to pinned host buffers, and the event after which they are
+        # there (see [Note: streams for gathers and reductions])
+        self._host_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._host_grads_keep: list[Tensor] = []  # the device slices those copies read
+        self._host_grads_ready: object | None = None
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
@@ -227,7 +235,8 @@ class FlatParam:
             self.state = ShardState.UNSHARDED
             return
         self._pending = all_gather_flat(
-            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
+            self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt,
+            self._streams,
         )
         if self.watch is not None and self._pending.work is not None:
             self._pending = self._pending._replace(work=self.watch.watched("gather", self.label, self._pending.work))
@@ -281,7 +290,9 @@ class FlatParam:
         assert self.state is ShardState.UNSHARDED
         # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
         source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
-        pending = all_gather_flat(self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point)
+        pending = all_gather_flat(
+            self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point, streams=self._streams
+        )
 
         def finish() -> None:
             pending.wait()
@@ -294,7 +305,7 @@ class FlatParam:
         """This rank's slice in the compute dtype, on the compute device."""
         if self._device_source is not None:
             return self._device_source
-        return self.shard.to(device=self.full.device, dtype=self.full.dtype)
+        return host_to_device(self.shard, self.full.device, self.full.dtype)  # pinned: without blocking the host
 
     @property
     def device_source(self) -> Tensor | None:
@@ -304,7 +315,8 @@ class FlatParam:
     def refresh_device_source(self) -> None:
         """After a step on offloaded masters: update the device-side compute copy."""
         if self._device_source is not None:
-            self._device_source.copy_(self.shard)
+            pinned = self._device_source.is_cuda and self.shard.is_pinned()
+            self._device_source.copy_(self.shard, non_blocking=pinned)
 
     # ------------------------------------------------------------------------------------------ gradients
     def has_pending_grads(self) -> bool:
@@ -326,6 +338,7 @@ class FlatParam:
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
         self.finish_reduce()  # the exchange must complete on every rank, whatever we do with its result
+        self.settle_host_grads()
         self.grad_stash = None
         self.grad_seen = [False] * len(self.params)
         for param in self.params:
@@ -352,7 +365,7 @@ class FlatParam:
         self.finish_reduce()
         flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
         self._pending_reduce = start_reduce_scatter_mean(
-            flat, self.ctx.group, self.log, self.ctx.point_to_point, self.ctx.replicas
+            flat, self.ctx.group, self.log, self.ctx.point_to_point, self.ctx.replicas, self._streams
         )
         watch = self.watch
         if watch is not None:
@@ -364,6 +377,9 @@ class FlatParam:
         if self._pending_reduce is None:
             return
         reduced, self._pending_reduce = self._pending_reduce.wait(), None
+        if self._streams is not None and self._streams.enabled and reduced.is_cuda and self.shard.device.type == "cpu":
+            self._start_host_grads(reduced, self._streams)
+            return
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
             if piece.grad is None:
@@ -371,6 +387,27 @@ class FlatParam:
                 piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
             else:
                 piece.grad.add_(chunk.to(piece.device))
+
+    def _start_host_grads(self, reduced: Tensor, streams: CollectiveStreams) -> None:
+        """Offloaded masters on a GPU: copy the reduced slice to pinned host memory on the copy stream, without
+        blocking; :meth:`settle_host_grads` adds it to the master pieces' grads. One copy in flight per FlatParam
+        (the previous one is settled first), so host memory holds at most one extra slice."""
+        self.settle_host_grads()
+        host, self._host_grads_ready = streams.copy_to_host(reduced, self.shard.dtype)
+        self._host_grads_keep = [reduced]
+        for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
+            self._host_grads.append((piece, host[offset : offset + piece.numel()]))
+
+    def settle_host_grads(self) -> None:
+        """Wait for the copies :meth:`_start_host_grads` started and accumulate them (the host reads them next: the
+        CPU optimizer, the norm). Also orders any earlier non-blocking host-to-device read of the shard before the
+        optimizer writes it: the copy stream waited for the compute stream, where those reads were queued."""
+        if self._host_grads_ready is None:
+            return
+        self._host_grads_ready.synchronize()  # type: ignore[attr-defined]
+        for piece, host in self._host_grads:
+            piece.grad = host if piece.grad is None else piece.grad.add_(host)
+        self._host_grads, self._host_grads_keep, self._host_grads_ready = [], [], None
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
         """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""
