@@ -24,11 +24,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.transport import collectives
 from zero_strategy.core.transport.collectives import (
     CommunicationLog,
     ProcessGroup,
     all_reduce_max,
-    collective_device,
 )
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
@@ -41,7 +41,7 @@ def agree_on_used(flats: list[FlatParam], group: ProcessGroup, log: Communicatio
     seen = [seen for flat in flats for seen in flat.grad_seen]
     if not seen:
         return
-    bitmap = _to_device(torch.tensor(seen, dtype=torch.uint8), collective_device(group))
+    bitmap = _to_device(torch.tensor(seen, dtype=torch.uint8), collectives.collective_device(group))
     agreed_on_device = all_reduce_max(bitmap, group, log)
     if all(seen):
         # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common

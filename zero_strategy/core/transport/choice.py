@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core.transport import collectives
 from zero_strategy.core.transport.collectives import (
     CommunicationLog,
     ProcessGroup,
-    collective_device,
     prefers_point_to_point,
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
@@ -51,7 +51,7 @@ class DistContext:
     def collective_device(self) -> torch.device:
         """Where tensors handed to this group's collectives live (see [Note: collectives run on the group's
         device] in collectives.py): this rank's CUDA device on NCCL, the CPU on gloo."""
-        return collective_device(self.group)
+        return collectives.collective_device(self.group)
 
 
 def rank_layout(group: ProcessGroup | RankLayout, config: ZeroConfig) -> RankLayout:
