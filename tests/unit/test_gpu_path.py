@@ -40,7 +40,8 @@ def seen_devices(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
         devices.append(tensor.device)
         raise _Stop
 
-    monkeypatch.setattr(collectives, "collective_device", lambda group: META)
+    # raising=False: code without the helper still runs, and fails the device assertion, not the set-up
+    monkeypatch.setattr(collectives, "collective_device", lambda group: META, raising=False)
     monkeypatch.setattr(collectives, "_world", lambda group: 2)
     monkeypatch.setattr(collectives.dist, "all_reduce", fake)
     monkeypatch.setattr(collectives.dist, "broadcast", fake)
@@ -68,7 +69,9 @@ def _pieces(with_grads: bool) -> list[nn.Parameter]:
     ],
     ids=["norm_l2", "norm_inf", "overflow"],
 )
-def test_scalar_collectives_run_on_the_group_device(seen_devices: list[torch.device], call: Any, with_grads: bool) -> None:
+def test_scalar_collectives_run_on_the_group_device(
+    seen_devices: list[torch.device], call: Any, with_grads: bool
+) -> None:
     with pytest.raises(_Stop):
         call(_pieces(with_grads), _transport())
     assert seen_devices == [META]
@@ -122,6 +125,11 @@ def test_all_used_bitmap_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # ------------------------------------------------------------------------------------------------------- RNG
+def _marker(device: int) -> torch.Tensor:
+    """A stand-in generator state that says which device it came from."""
+    return torch.tensor([device], dtype=torch.uint8)
+
+
 class _FakeCuda:
     """torch.cuda as a process sees it: ``count`` devices, the current one ``current``."""
 
@@ -131,10 +139,13 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
-        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([int(device)], dtype=torch.uint8))
-        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([i], dtype=torch.uint8) for i in range(count)])
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.set_calls.append((int(state[0]), int(device))))
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": _marker(int(device)))
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [_marker(i) for i in range(count)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self._set)
         monkeypatch.setattr(torch.cuda, "set_rng_state_all", self._refuse_all)
+
+    def _set(self, state: torch.Tensor, device: Any = "cuda") -> None:
+        self.set_calls.append((int(state[0]), int(device)))
 
     @staticmethod
     def _refuse_all(states: Any) -> None:
@@ -169,6 +180,7 @@ def test_rng_from_eight_visible_gpus_restores_on_a_rank_seeing_one(monkeypatch: 
 def test_rng_saved_on_gpu_restores_on_cpu_ranks_and_the_reverse(monkeypatch: pytest.MonkeyPatch) -> None:
     _FakeCuda(monkeypatch, count=2, current=1)
     on_gpu, plain = rng.capture_rng()
+    assert [name for name in on_gpu if name.startswith("rng/cuda")] == ["rng/cuda"]
     cpu_only = _FakeCuda(monkeypatch, count=0, current=0)
     _restore(on_gpu, plain)  # no GPU here: the CUDA state is not applied, and nothing fails
     on_cpu, plain = rng.capture_rng()
@@ -188,8 +200,8 @@ def test_loaded_step_counter_stays_on_cpu_unless_capturable_or_fused(options: di
     """Pieces on an accelerator (``meta`` stands for it): torch keeps Adam's ``step`` on the CPU unless the group
     is capturable or fused; on the device a plain Adam reads it back every step."""
     piece = nn.Parameter(torch.empty(4, device="meta"))
-    optimizer = torch.optim.Adam([piece], **options) if "fused" not in options else torch.optim.Adam([piece])
-    optimizer.param_groups[0].update(options)  # fused=True is refused on meta by the constructor
+    optimizer = torch.optim.Adam([piece])
+    optimizer.param_groups[0].update(options)  # the constructor refuses fused=True for a meta parameter
     state: dict[str, object] = {"step": torch.tensor(7.0), "exp_avg": torch.empty(4, device="meta")}
     ckpt_load._place_step_counters(optimizer, piece, state)
     step = state["step"]
