@@ -136,7 +136,8 @@ def report(rows: list[Row], shape: ModelShape, params: int, device: torch.device
     lines = [
         f"# GPU check: ZeRO vs DDP vs FSDP2 ({name} x {world})",
         "",
-        f"Model: BenchGPT, {params / 1e9:.3f} B parameters ({shape.n_layer} layers, width {shape.width}, vocab "
+        *(["**Dry run on the CPU (gloo): no GPU figure.**", ""] if device.type != "cuda" else []),
+        f"Model: BenchGPT, {params / 1e6:,.1f} M parameters ({shape.n_layer} layers, width {shape.width}, vocab "
         f"{shape.vocab_size}); batch {shape.batch} x {shape.seq} tokens per rank; bf16 compute, fp32 masters, AdamW; "
         f"{steps} timed steps after warm-up. torch {torch.__version__}.",
         f"MFU: tokens/s per GPU x {per_token / 1e9:.2f} GFLOP/token (6Ψ + 12·L·s·h) / "
