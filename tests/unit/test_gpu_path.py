@@ -8,6 +8,8 @@ runs against a mocked torch.cuda that sees 8 devices or 1. Nothing here needs a 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +24,7 @@ from zero_strategy.core.transport import collectives
 from zero_strategy.core.transport.choice import DistContext, Transport
 from zero_strategy.core.transport.collectives import CommunicationLog
 from zero_strategy.core.transport.gather_watch import GatherWatch
-from zero_strategy.core.transport.streams import CollectiveStreams
+from zero_strategy.core.transport.streams import CollectiveStreams, StreamReady
 
 META = torch.device("meta")
 
@@ -231,6 +233,22 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     model(torch.randn(4, 8)).sum().backward()
     engine.optimizer_step(optimizer)
     assert any(not torch.equal(b, p) for b, p in zip(before, engine.master_params(optimizer), strict=True))
+
+
+def test_a_stream_wait_orders_the_current_stream_then_lets_its_buffers_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A side-stream collective holds every buffer it touched until the compute stream waited for its event (the
+    caching allocator may reuse a block only after that point)."""
+    waited: list[object] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waited.append))
+    buffer = torch.zeros(3)
+    alive = weakref.ref(buffer)
+    ready = StreamReady("gathered", torch.device("cuda", 0), (buffer,), None)
+    del buffer
+    gc.collect()
+    assert alive() is not None and waited == []
+    ready.wait()
+    gc.collect()
+    assert waited == ["gathered"] and alive() is None
 
 
 def test_device_waits_are_added_to_blocked_seconds_when_settled() -> None:

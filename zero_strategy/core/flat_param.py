@@ -32,7 +32,7 @@ from zero_strategy.core.transport.collectives import (
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
-from zero_strategy.core.transport.streams import CollectiveStreams, host_to_device
+from zero_strategy.core.transport.streams import CollectiveStreams, copy_host_to_device, host_to_device
 
 
 class ShardState(Enum):
@@ -305,7 +305,7 @@ class FlatParam:
         """This rank's slice in the compute dtype, on the compute device."""
         if self._device_source is not None:
             return self._device_source
-        return host_to_device(self.shard, self.full.device, self.full.dtype)  # pinned: without blocking the host
+        return host_to_device(self.shard, self.full.device, self.full.dtype)  # without blocking the host
 
     @property
     def device_source(self) -> Tensor | None:
@@ -315,8 +315,7 @@ class FlatParam:
     def refresh_device_source(self) -> None:
         """After a step on offloaded masters: update the device-side compute copy."""
         if self._device_source is not None:
-            pinned = self._device_source.is_cuda and self.shard.is_pinned()
-            self._device_source.copy_(self.shard, non_blocking=pinned)
+            copy_host_to_device(self._device_source, self.shard)
 
     # ------------------------------------------------------------------------------------------ gradients
     def has_pending_grads(self) -> bool:

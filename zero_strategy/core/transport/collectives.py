@@ -152,12 +152,14 @@ def collective_device(group: ProcessGroup) -> torch.device:
 
 
 def _check_device(tensor: Tensor, group: ProcessGroup, what: str) -> None:
-    """A flat buffer on the wrong device is a bug of ours, not a user error: say which buffer and where."""
+    """Flat buffers live where the module computes: on a backend that cannot take them (gloo with a module on a
+    GPU, NCCL with one on the CPU) say so before the backend fails with a less helpful message."""
     wanted = collective_device(group)
     if tensor.device.type != wanted.type:
         raise RuntimeError(
-            f"ZeRO internal error: the {what} buffer is on {tensor.device} but the process group's backend "
-            f"({dist.get_backend(group)}) needs {wanted}; see [Note: collectives run on the group's device]."
+            f"ZeRO: the {what} buffer is on {tensor.device}, but the process group's backend "
+            f"({dist.get_backend(group)}) needs {wanted} tensors: train on GPUs with NCCL and on CPUs with gloo "
+            "(see [Note: collectives run on the group's device])."
         )
 
 

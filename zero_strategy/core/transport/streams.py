@@ -107,7 +107,24 @@ class CollectiveStreams:
             return host, side.record_event()
 
 
+def _pinned(host: Tensor) -> Tensor:
+    """``host`` itself when pinned, else a pinned copy (file-backed nvme shards, unpinned host memory): a
+    non-blocking copy from it does not stall the host, and torch's pinned-memory allocator keeps the copy's
+    buffer until the transfer is done."""
+    return host if host.is_pinned() else host.pin_memory()
+
+
 def host_to_device(host: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``host`` on ``device`` in ``dtype``; from pinned memory to a GPU without blocking the host (the copy is
-    ordered on the current stream before whatever reads the result)."""
-    return host.to(device=device, dtype=dtype, non_blocking=device.type == "cuda" and host.is_pinned())
+    """``host`` on ``device`` in ``dtype``; host memory reaches a GPU without blocking the host (ordered on the
+    current stream before whatever reads the result)."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device=device, dtype=dtype)
+    return _pinned(host).to(device=device, dtype=dtype, non_blocking=True)
+
+
+def copy_host_to_device(target: Tensor, host: Tensor) -> None:
+    """``target.copy_(host)``, without blocking the host when ``target`` is on a GPU."""
+    if target.is_cuda and host.device.type == "cpu":
+        target.copy_(_pinned(host), non_blocking=True)
+    else:
+        target.copy_(host)
