@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.bench_model import PRESETS, BenchGPT, ModelShape, build_model, lm_loss
 from zero_strategy import ZeroConfig, ZeroEngine
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.transport.collectives import barrier
 
 # ~0.97 B parameters: 18 blocks of 50.4 M, a 32 k x 2048 tied embedding (67 M), 1024 positions
 ONE_B = ModelShape(vocab_size=32768, max_seq=1024, width=2048, n_layer=18, n_head=16, batch=8, seq=1024)
@@ -110,7 +111,7 @@ def run_method(method: str, shape: ModelShape, device: torch.device, steps: int,
         if index == warmup:
             if cuda:
                 torch.cuda.synchronize(device)
-            dist.barrier()
+            barrier()  # with device_ids on NCCL
             start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = lm_loss(module, mine[index])
@@ -138,7 +139,8 @@ def report(rows: list[Row], shape: ModelShape, params: int, device: torch.device
         "",
         *(["**Dry run on the CPU (gloo): no GPU figure.**", ""] if device.type != "cuda" else []),
         f"Model: BenchGPT, {params / 1e6:,.1f} M parameters ({shape.n_layer} layers, width {shape.width}, vocab "
-        f"{shape.vocab_size}); batch {shape.batch} x {shape.seq} tokens per rank; bf16 compute, fp32 masters, AdamW; "
+        f"{shape.vocab_size}); batch {shape.batch} x {shape.seq} tokens per rank; bf16 compute, fp32 masters, AdamW "
+        "(ZeRO steps it with torch's fused kernel, DDP and FSDP2 with torch's default); "
         f"{steps} timed steps after warm-up. torch {torch.__version__}.",
         f"MFU: tokens/s per GPU x {per_token / 1e9:.2f} GFLOP/token (6Ψ + 12·L·s·h) / "
         + (f"{peak:.0f} TFLOP/s (dense bf16 peak of {name})." if peak else "n/a (no peak known for this device)."),

@@ -40,3 +40,13 @@ def test_checkpoint_saved_on_gpu_resumes_on_cpu_ranks_and_the_reverse(tmp_path: 
     torchrun(2, "cpu", [f"resume:2:{tmp_path / 'a'}"], timeout_s=240)
     torchrun(2, "cpu", [f"save:1:{tmp_path / 'b'}"], timeout_s=240)
     torchrun(1, "cuda", [f"resume:3:{tmp_path / 'b'}"], timeout_s=240)
+
+
+@pytest.mark.timeout(600)
+def test_lightning_fit_and_resume_on_gpus(tmp_path: Path) -> None:
+    """The adapter on GPUs: strategy (NCCL barrier), precision plugin (CUDA autocast, fp16 scaling), profiler (CUDA
+    event timing), sharded checkpoint IO and resume (the rank's own CUDA generator)."""
+    gpus = min(2, torch.cuda.device_count())
+    runs = [f"lightning:{stage}:{precision}:{tmp_path / str(stage)}" for stage, precision in
+            ((1, "fp32"), (2, "fp16"), (3, "bf16"))]
+    torchrun(gpus, "cuda", runs, timeout_s=540)

@@ -14,7 +14,10 @@ Scenarios (comma-separated ``--scenarios``):
   without the mode).
 - ``save:<stage>:<dir>`` / ``resume:<stage>:<dir>``: train 2 AdamW steps and save a sharded checkpoint, train 2
   more and record the result; another launch (any device, any world size) loads it, checks the step counters are
-  on the CPU, trains the same 2 steps and must reach the same weights.
+  on the CPU, restores this rank's RNG, trains the same 2 steps and must reach the same weights.
+- ``lightning:<stage>:<precision>:<dir>``: the Lightning adapter on this device: a ``Trainer`` fit with clipping and
+  the communication profiler, a sharded checkpoint, a resumed fit from it (strategy barrier, precision plugin,
+  checkpoint IO, RNG restore).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import Tensor, nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, ZeroPrecision
 from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
 from zero_strategy.core.mixed_precision import NORMALIZATION_LAYERS
@@ -213,6 +216,7 @@ def resume(stage: int, folder: str, device: torch.device) -> None:
         check_compatible(engine, ckpt, strict=True, with_optimizer=True)
         load_weights(engine, ckpt)
         load_optimizer_state(engine, ckpt, state[PARAM_GROUPS_KEY])
+        restore_rank_rng(engine, ckpt)  # a CUDA generator saved on a GPU is skipped on a CPU rank, and the reverse
     steps = [s["step"] for s in opt.state.values() if isinstance(s.get("step"), Tensor)]
     assert steps and all(s.device.type == "cpu" for s in steps), "Adam's step counters must stay on the CPU"
     _train(model, opt, engine, batches(4, torch.device("cpu"), steps=4, seed=5)[2:])
@@ -223,6 +227,49 @@ def resume(stage: int, folder: str, device: torch.device) -> None:
         assert error < 1e-3, f"{key}: resumed run differs by {error:.2e}"
 
 
+def lightning_fit(stage: int, precision: str, folder: str, device: torch.device) -> None:
+    """A Trainer on this device (torchrun's environment: Lightning does not launch), then a resumed one."""
+    import lightning.pytorch as pl
+
+    from zero_strategy.lightning.profiler import CommunicationProfiler
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: Tensor, index: int) -> Tensor:
+            logits = self.net(batch[:, :-1]).float()
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    samples = list(batches(4, torch.device("cpu"), steps=2).reshape(-1, 9))
+    data: torch.utils.data.DataLoader[Tensor] = torch.utils.data.DataLoader(samples, batch_size=4)  # type: ignore[arg-type]
+
+    def fit(steps: int, ckpt: str | None) -> pl.Trainer:
+        torch.manual_seed(0)
+        trainer = pl.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
+            strategy=f"zero{stage}", precision=PRECISIONS[precision][0],  # type: ignore[arg-type]
+            max_steps=steps, gradient_clip_val=1.0,
+            callbacks=[CommunicationProfiler()], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
+        )
+        trainer.fit(Lit(), data, ckpt_path=ckpt)
+        return trainer
+
+    first = fit(2, None)
+    path = str(Path(folder) / "lit.ckpt")
+    first.save_checkpoint(path)
+    resumed = fit(4, path)
+    assert resumed.global_step == 4, resumed.global_step
+    assert torch.isfinite(resumed.callback_metrics["loss"]), resumed.callback_metrics
+
+
 def scenario(spec: str, device: torch.device) -> Callable[[], None]:
     kind, *args = spec.split(":")
     if kind == "parity":
@@ -230,6 +277,8 @@ def scenario(spec: str, device: torch.device) -> Callable[[], None]:
         return lambda: parity(int(args[0]), args[1], offload, device)
     if kind == "sync":
         return lambda: sync_free_steps(int(args[0]), args[1], device)
+    if kind == "lightning":
+        return lambda: lightning_fit(int(args[0]), args[1], ":".join(args[2:]), device)
     if kind in ("save", "resume"):
         action = save if kind == "save" else resume
         return lambda: action(int(args[0]), ":".join(args[1:]), device)
