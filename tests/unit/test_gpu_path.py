@@ -93,6 +93,30 @@ def test_used_parameter_bitmap_and_broadcasts_run_on_the_group_device(seen_devic
     assert seen_devices == [META, META, META]
 
 
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("nccl", torch.device("cuda", 2)), ("gloo", torch.device("cpu")), ("cpu:gloo,cuda:nccl", torch.device("cpu"))],
+)
+def test_the_group_device_follows_the_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, expected: torch.device
+) -> None:
+    """NCCL: this rank's current CUDA device (set by the launcher or Lightning), whatever the data's device."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert collectives.collective_device(None) == expected
+
+
+def test_no_gather_watch_on_a_gpu_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch waits in a thread of its own (the wrong CUDA stream there) and reads a flag back every step."""
+    from zero_strategy.core.transport.choice import choose_gather_watch
+
+    monkeypatch.setattr(collectives, "collective_device", lambda group: torch.device("cuda", 0), raising=False)
+    monkeypatch.setattr(collectives.dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(collectives.dist.distributed_c10d, "_get_default_store", lambda: None)
+    assert choose_gather_watch(DistContext(None, 0, 2, 0), True, None) is None
+
+
 def test_flat_buffers_on_the_wrong_device_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(collectives, "collective_device", lambda group: torch.device("cuda", 0))
     monkeypatch.setattr(collectives, "_world", lambda group: 2)
