@@ -24,7 +24,6 @@ from zero_strategy.core.transport import collectives
 from zero_strategy.core.transport.choice import DistContext, Transport
 from zero_strategy.core.transport.collectives import CommunicationLog
 from zero_strategy.core.transport.gather_watch import GatherWatch
-from zero_strategy.core.transport.streams import CollectiveStreams, StreamReady
 
 META = torch.device("meta")
 
@@ -240,6 +239,7 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     profiler's device timing is never switched on."""
     from zero_strategy.config import ZeroConfig
     from zero_strategy.core.engine import ZeroEngine
+    from zero_strategy.core.transport.streams import CollectiveStreams
 
     def no_cuda(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("torch.cuda used on a CPU run")
@@ -262,6 +262,8 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_stream_wait_orders_the_current_stream_then_lets_its_buffers_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """A side-stream collective holds every buffer it touched until the compute stream waited for its event (the
     caching allocator may reuse a block only after that point)."""
+    from zero_strategy.core.transport.streams import StreamReady
+
     waited: list[object] = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waited.append))
     buffer = torch.zeros(3)
