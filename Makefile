@@ -28,7 +28,7 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing
 
-# The GPU path on a CUDA machine (~8 min on one H200, setup included): fail at once without a GPU, run the CUDA
+# The GPU path on a CUDA machine (sized for ~8 min on one H200, setup included; not yet timed on one): fail at once without a GPU, run the CUDA
 # tier (tests marked `cuda`, torchrun workers), then benchmarks/gpu_check.py on every visible GPU. Its report is
 # gpu_report.md. GPUS=1 limits the benchmark to one GPU.
 GPUS ?= $(shell $(BIN)/python -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
