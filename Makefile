@@ -28,9 +28,9 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing
 
-# The GPU path on a CUDA machine (sized for ~8 min on one H200, setup included; not yet timed on one): fail at once without a GPU, run the CUDA
-# tier (tests marked `cuda`, torchrun workers), then benchmarks/gpu_check.py on every visible GPU. Its report is
-# gpu_report.md. GPUS=1 limits the benchmark to one GPU.
+# The GPU path on a CUDA machine (sized for ~8 min on one H200, setup included; not yet timed on one): fail at
+# once without a GPU, run the CUDA tier (tests marked `cuda`, torchrun workers), then benchmarks/gpu_check.py on
+# every visible GPU. Its report is gpu_report.md. GPUS=1 limits the benchmark to one GPU.
 GPUS ?= $(shell $(BIN)/python -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
 gpu-check: setup
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False' + ('; this torch is a CPU build: install a CUDA build of torch 2.13' if torch.version.cuda is None else '') + '). Run it on a GPU machine.')"
