@@ -1,11 +1,12 @@
 # Two entry points, both from a fresh clone:
 #   make train   set up the environment and run the main job (GPT on the bundled corpus, zero3, 2 CPU ranks)
 #   make test    set up the environment and run lint, type checks and the test suite
+#   make gpu-check   on a CUDA machine: the CUDA test tier, then a ZeRO/DDP/FSDP2 benchmark (report: gpu_report.md)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test lint
+.PHONY: setup train test lint gpu-check
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -26,3 +27,12 @@ lint: setup
 # the run (see [Note: which rank deaths are retried] in tests/conftest.py).
 test: lint
 	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing
+
+# The GPU path on a CUDA machine (sized for ~8 min on one H200, setup included; not yet timed on one): fail at
+# once without a GPU, run the CUDA tier (tests marked `cuda`, torchrun workers), then benchmarks/gpu_check.py on
+# every visible GPU. Its report is gpu_report.md. GPUS=1 limits the benchmark to one GPU.
+GPUS ?= $(shell $(BIN)/python -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
+gpu-check: setup
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False' + ('; this torch is a CPU build: install a CUDA build of torch 2.13' if torch.version.cuda is None else '') + '). Run it on a GPU machine.')"
+	$(BIN)/python -m pytest -q -m cuda tests/cuda
+	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) benchmarks/gpu_check.py --device cuda --report gpu_report.md

@@ -102,10 +102,24 @@ def load_optimizer_state(engine: ZeroEngine, ckpt: ShardedCheckpoint, param_grou
         optimizer = engine.optimizers[opt_index]
         for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
             state = _piece_state(engine, ckpt, flat, offset, piece)
+            _place_step_counters(optimizer, piece, state)
             if state:
                 optimizer.state[piece] = _to_offload_files(engine, piece, state)
     if engine.placement is not None and engine.placement.store is not None:
         engine.placement.store.release_pages()
+
+
+def _place_step_counters(optimizer: torch.optim.Optimizer, piece: nn.Parameter, state: dict[str, object]) -> None:
+    """A tensor ``step`` counter stays on the CPU unless the piece's param group is ``capturable`` or ``fused``, as
+    torch's own ``Optimizer.load_state_dict`` places it: a non-capturable Adam reads it on the host every step, so a
+    counter on the GPU would cost a device-to-host synchronisation per step. (The fused steps this package turns on
+    move it to the device themselves, just before a fused step: see _step_state_to_device in core/optimizer.py.)"""
+    step = state.get("step")
+    if not isinstance(step, torch.Tensor):
+        return
+    group = next((g for g in optimizer.param_groups if any(p is piece for p in g["params"])), {})
+    on_device = bool(group.get("capturable", False) or group.get("fused", False))
+    state["step"] = step.to(dtype=torch.float32, device=piece.device) if on_device else step.to("cpu")
 
 
 def _to_offload_files(engine: ZeroEngine, piece: nn.Parameter, state: dict[str, object]) -> dict[str, object]:
@@ -141,7 +155,7 @@ def _piece_state(
         state[name] = values.view_as(piece)
     position = first_param.offset + overlapping[0].param_start
     for name, record in ckpt.scalar_state_at(first_flat, position).items():
-        state[name] = scalar_value(record, piece.device)
+        state[name] = scalar_value(record, torch.device("cpu") if name == "step" else piece.device)
     return state
 
 

@@ -48,6 +48,7 @@ from zero_strategy.core.optimizer import (
     remove_zero_grad_hook,
 )
 from zero_strategy.core.reduction_order import ReductionOrder
+from zero_strategy.core.release import gather_into_module, leave_sharded
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.transport.choice import (
@@ -59,6 +60,7 @@ from zero_strategy.core.transport.choice import (
     shared_memory_unavailable,
 )
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, broadcast_flat
+from zero_strategy.core.transport.streams import CollectiveStreams
 from zero_strategy.core.transport.topology import RankLayout
 from zero_strategy.core.unit import UnitOptions, ZeroUnit
 from zero_strategy.core.unused import Saved, agree_on_used, protect_unused, restore_unused
@@ -156,7 +158,10 @@ class ZeroEngine:
         self.placement = make_placement(config, device, plans, self.ctx.rank)
         model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
         self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
-        options = UnitOptions(not self.stage.reshards_parameters, policy, self.placement, self.shared, meta_to)
+        self.streams = CollectiveStreams.for_device(device)  # CUDA: gather/reduce/copy side streams; else no-ops
+        options = UnitOptions(
+            not self.stage.reshards_parameters, policy, self.placement, self.shared, meta_to, self.streams
+        )
         try:
             self.units = [ZeroUnit(plan, owner, self.ctx, self.comm_log, options) for plan in plans]
         except BaseException:
@@ -286,6 +291,8 @@ class ZeroEngine:
             unit.start_reduce(index, force=force)
         for unit in self.units:
             unit.finish_reduce()
+        for flat in self._flat_params_of(index):
+            flat.settle_host_grads()  # offload on a GPU: the host reads the gradients next
         averaging = [flat for flat in self._flat_params_of(index) if flat.replica_average_pending]
         if averaging:  # hybrid sharding: once per step, on the slices accumulated over the micro-steps
 
@@ -412,9 +419,9 @@ class ZeroEngine:
             for param in flat.params:
                 param.grad = None
             if full:
-                flat.release_to_module()
+                gather_into_module(flat)
             else:
-                flat.release_sharded()
+                leave_sharded(flat)
         if self.placement is not None and self.placement.store is not None:
             # the files are unlinked; their mappings (a sharded release's slices, the optimizer state) stay valid
             self.placement.store.close()

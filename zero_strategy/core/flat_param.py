@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice
 from zero_strategy.core.hierarchical import SecondaryCopy
-from zero_strategy.core.layout import FlatLayout
+from zero_strategy.core.layout import FlatLayout, group_ranges
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.transport.choice import DistContext
 from zero_strategy.core.transport.collectives import (
@@ -35,6 +35,7 @@ from zero_strategy.core.transport.collectives import (
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
+from zero_strategy.core.transport.streams import CollectiveStreams, copy_host_to_device, host_to_device
 
 
 class ShardState(Enum):
@@ -54,6 +55,7 @@ class FlatOptions:
     shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: the compute dtype
     materialize_device: torch.device | None = None  # meta parameters: where their storage is made
+    streams: CollectiveStreams | None = None  # CUDA side streams (see [Note: streams for gathers and reductions])
 
 
 class FlatParam:
@@ -99,6 +101,12 @@ class FlatParam:
         self.reduce_dtype = options.reduce_dtype
         self.replica_average_pending = False  # hybrid sharding: reduced slices not yet averaged over the replicas
         self.keeps_full = options.keeps_full
+        self._streams = options.streams
+        # offload on a GPU: reduced slices on their way to pinned host buffers, and the event after which they are
+        # there (see [Note: streams for gathers and reductions])
+        self._host_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._host_grads_keep: list[Tensor] = []  # the device slices those copies read
+        self._host_grads_ready: object | None = None
         self._build_buffers(options)
         self.master_pieces, self.piece_group_index, self.piece_offset = self._carve_master_pieces(
             group_index_of or {}
@@ -207,26 +215,13 @@ class FlatParam:
         group_indices: list[int] = []
         offsets: list[int] = []
         start, end = self.layout.shard_range(self.ctx.rank)
-        for group_index, (lo, hi) in self._group_ranges(group_index_of):
+        for group_index, (lo, hi) in group_ranges(self.layout, self.params, group_index_of):
             lo, hi = max(lo, start), min(hi, end)
             if lo < hi:
                 pieces.append(nn.Parameter(self.shard[lo - start : hi - start], requires_grad=True))
                 group_indices.append(group_index)
                 offsets.append(lo - start)
         return pieces, group_indices, offsets
-
-    def _group_ranges(self, group_index_of: dict[int, int]) -> list[tuple[int, tuple[int, int]]]:
-        ranges: list[tuple[int, tuple[int, int]]] = []
-        for span, param in zip(self.layout.spans, self.params, strict=True):
-            index = group_index_of[id(param)]
-            if ranges and ranges[-1][0] == index and ranges[-1][1][1] == span.offset:
-                ranges[-1] = (index, (ranges[-1][1][0], span.end))
-            else:
-                ranges.append((index, (span.offset, span.end)))
-        seen = [index for index, _ in ranges]
-        if len(seen) != len(set(seen)):
-            raise AssertionError("parameters of one optimizer group must be contiguous in a FlatParam")
-        return ranges
 
     # ----------------------------------------------------------------------------------- shard / unshard
     def start_unshard(self) -> None:
@@ -247,7 +242,8 @@ class FlatParam:
             self._pending = secondary.start_gather(self.full, self.log, self.ctx.point_to_point, self._salt)
         else:
             self._pending = all_gather_flat(
-                self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt
+                self.full, self._gather_source(), self.ctx.group, self.log, True, self.ctx.point_to_point, self._salt,
+                self._streams,
             )
             self._fills_secondary = secondary is not None
         if self.watch is not None and self._pending.work is not None:
@@ -309,7 +305,9 @@ class FlatParam:
         assert self.state is ShardState.UNSHARDED
         # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
         source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
-        pending = all_gather_flat(self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point)
+        pending = all_gather_flat(
+            self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point, streams=self._streams
+        )
 
         def finish() -> None:
             pending.wait()
@@ -322,7 +320,7 @@ class FlatParam:
         """This rank's slice in the compute dtype, on the compute device."""
         if self._device_source is not None:
             return self._device_source
-        return self.shard.to(device=self.full.device, dtype=self.full.dtype)
+        return host_to_device(self.shard, self.full.device, self.full.dtype)  # without blocking the host
 
     @property
     def device_source(self) -> Tensor | None:
@@ -332,7 +330,7 @@ class FlatParam:
     def refresh_device_source(self) -> None:
         """After a step on offloaded masters: update the device-side compute copy."""
         if self._device_source is not None:
-            self._device_source.copy_(self.shard)
+            copy_host_to_device(self._device_source, self.shard)
 
     # ------------------------------------------------------------------------------------------ gradients
     def has_pending_grads(self) -> bool:
@@ -355,6 +353,7 @@ class FlatParam:
         """Drop every gradient of this FlatParam (a skipped step)."""
         self.finish_reduce()  # the exchange must complete on every rank, whatever we do with its result
         self.replica_average_pending = False  # every replica skips the same step: none averages
+        self.settle_host_grads()
         self.grad_stash = None
         self.grad_seen = [False] * len(self.params)
         for param in self.params:
@@ -380,7 +379,9 @@ class FlatParam:
             return
         self.finish_reduce()
         flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
-        self._pending_reduce = start_reduce_scatter_mean(flat, self.ctx.group, self.log, self.ctx.point_to_point)
+        self._pending_reduce = start_reduce_scatter_mean(
+            flat, self.ctx.group, self.log, self.ctx.point_to_point, self._streams
+        )
         watch = self.watch
         if watch is not None:
             self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))
@@ -391,6 +392,9 @@ class FlatParam:
         if self._pending_reduce is None:
             return
         reduced, self._pending_reduce = self._pending_reduce.wait(), None
+        if self._streams is not None and self._streams.enabled and reduced.is_cuda and self.shard.device.type == "cpu":
+            self._start_host_grads(reduced, self._streams)
+            return
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
             chunk = reduced[offset : offset + piece.numel()]
             if piece.grad is None and self._grad_file is not None:  # see [Note: gradient slices in files]
@@ -421,6 +425,27 @@ class FlatParam:
         if len(grads) > 1:
             for grad, part in zip(grads, joined.split([grad.numel() for grad in grads]), strict=True):
                 grad.copy_(part.view_as(grad))
+
+    def _start_host_grads(self, reduced: Tensor, streams: CollectiveStreams) -> None:
+        """Offloaded masters on a GPU: copy the reduced slice to pinned host memory on the copy stream, without
+        blocking; :meth:`settle_host_grads` adds it to the master pieces' grads. One copy in flight per FlatParam
+        (the previous one is settled first), so host memory holds at most one extra slice."""
+        self.settle_host_grads()
+        host, self._host_grads_ready = streams.copy_to_host(reduced, self.shard.dtype)
+        self._host_grads_keep = [reduced]
+        for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
+            self._host_grads.append((piece, host[offset : offset + piece.numel()]))
+
+    def settle_host_grads(self) -> None:
+        """Wait for the copies :meth:`_start_host_grads` started and accumulate them (the host reads them next: the
+        CPU optimizer, the norm). Also orders any earlier non-blocking host-to-device read of the shard before the
+        optimizer writes it: the copy stream waited for the compute stream, where those reads were queued."""
+        if self._host_grads_ready is None:
+            return
+        self._host_grads_ready.synchronize()  # type: ignore[attr-defined]
+        for piece, host in self._host_grads:
+            piece.grad = host if piece.grad is None else piece.grad.add_(host)
+        self._host_grads, self._host_grads_keep, self._host_grads_ready = [], [], None
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
         """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""
@@ -458,30 +483,12 @@ class FlatParam:
         return [(o.shard_start, o.shard_start + o.numel) for o in overlaps if not seen[o.name]]
 
     # ------------------------------------------------------------------------------------------- teardown
-    def release_to_module(self) -> None:
-        """Give every parameter its own full tensor again, gathered from the shards in their own precision (the
-        fp32 masters under mixed precision, not the compute copies): after training the module works without us
-        and holds the weights the optimizer produced."""
+    def settle_gather(self) -> None:
+        """Let a gather in flight land (before the engine lets the module go, see core/release.py)."""
         if self._pending is not None:
             self.finish_unshard()
-        whole = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.full.device)
-        all_gather_flat(whole, self.shard.to(self.full.device, copy=True), self.ctx.group, self.log)
-        self.shard = self.shard.clone()  # it may be a view of `full` or of a file, both dropped below
-        with torch.no_grad():
-            for span, param in zip(self.layout.spans, self.params, strict=True):
-                param.data = whole[span.offset : span.end].view(span.shape).clone()
-        self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
 
-    def release_sharded(self) -> None:
-        """Leave the module's parameters on the meta device (shapes kept, no storage) and keep this rank's slice
-        as the only copy of the weights (see [Note: releasing a model built sharded] in core/release.py)."""
-        if self._pending is not None:
-            self.finish_unshard()
-        if self.shard_aliases_full or self._shared is not None:
-            # a view of `full` (dropped below) or of a shared-memory segment (closed with the engine)
-            self.shard = self.shard.clone()
-        for param in self.params:
-            if not param.is_meta:
-                placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
-                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
-        self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+    @property
+    def shard_is_borrowed(self) -> bool:
+        """The shard is a view of ``full`` or of a shared-memory segment, both dropped when the engine lets go."""
+        return self.shard_aliases_full or self._shared is not None

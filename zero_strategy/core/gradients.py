@@ -24,7 +24,9 @@ def _grads(pieces: Iterable[nn.Parameter]) -> list[Tensor]:
 def global_grad_norm(pieces: list[nn.Parameter], transport: Transport, norm_type: float = 2.0) -> Tensor:
     """The norm of the full gradient across all ranks' slices. Collective."""
     grads = _grads(pieces)
-    device = grads[0].device if grads else torch.device("cpu")
+    # a rank without gradients (or with CPU-offloaded ones) still takes part; the all-reduce moves what is not on
+    # the group's device there (see [Note: collectives run on the group's device])
+    device = grads[0].device if grads else transport.ctx.collective_device
     group, log = transport.ctx.group, transport.log
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
@@ -56,11 +58,13 @@ def clip_by_value(pieces: list[nn.Parameter], clip_value: float) -> None:
 def unscale_and_find_overflow(pieces: list[nn.Parameter], transport: Transport, inv_scale: float) -> bool:
     """Multiply the gradients by ``inv_scale``; True if any rank holds an inf/NaN. Collective: all ranks agree."""
     grads = _grads(pieces)
-    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
+    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else transport.ctx.collective_device)
     for grad in grads:
         if inv_scale != 1.0:
             grad.mul_(inv_scale)
         found += (~torch.isfinite(grad)).any().float()
+    # The one host read of an fp16 step: whether to skip it is a host decision (torch's GradScaler reads its
+    # found-inf flag the same way). bf16 and fp32 never get here.
     return bool(all_reduce_sum(found, transport.ctx.group, transport.log).item() > 0)
 
 

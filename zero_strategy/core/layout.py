@@ -5,7 +5,10 @@ Pure integer arithmetic, no tensors and no communication, so it can be unit-test
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from torch import nn
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +91,21 @@ class FlatLayout:
                     SliceOverlap(name=span.name, param_start=lo - span.offset, shard_start=lo - start, numel=hi - lo)
                 )
         return pieces
+
+
+def group_ranges(
+    layout: FlatLayout, params: Sequence[nn.Parameter], group_index_of: dict[int, int]
+) -> list[tuple[int, tuple[int, int]]]:
+    """(optimizer group index, (start, end)) ranges of ``layout``'s flat buffer, one per group: the parameters
+    were sorted by group, so each group's parameters are contiguous (checked)."""
+    ranges: list[tuple[int, tuple[int, int]]] = []
+    for span, param in zip(layout.spans, params, strict=True):
+        index = group_index_of[id(param)]
+        if ranges and ranges[-1][0] == index and ranges[-1][1][1] == span.offset:
+            ranges[-1] = (index, (ranges[-1][1][0], span.end))
+        else:
+            ranges.append((index, (span.offset, span.end)))
+    seen = [index for index, _ in ranges]
+    if len(seen) != len(set(seen)):
+        raise AssertionError("parameters of one optimizer group must be contiguous in a FlatParam")
+    return ranges

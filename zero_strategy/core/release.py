@@ -28,6 +28,34 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.transport.collectives import all_gather_flat
+
+
+def gather_into_module(flat: FlatParam) -> None:
+    """Give every parameter its own full tensor again, gathered from the shards in their own precision (the fp32
+    masters under mixed precision, not the compute copies): the module works without us and holds the weights the
+    optimizer produced."""
+    flat.settle_gather()
+    whole = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.full.device)
+    all_gather_flat(whole, flat.shard.to(flat.full.device, copy=True), flat.ctx.group, flat.log)
+    flat.shard = flat.shard.clone()  # it may be a view of `full` or of a file, both dropped below
+    with torch.no_grad():
+        for span, param in zip(flat.layout.spans, flat.params, strict=True):
+            param.data = whole[span.offset : span.end].view(span.shape).clone()
+    flat.full = torch.empty(0, dtype=flat.full.dtype, device=flat.full.device)
+
+
+def leave_sharded(flat: FlatParam) -> None:
+    """Leave the module's parameters on the meta device (shapes, dtypes and identities kept, no storage) and keep
+    this rank's slice as the only copy of the weights (see [Note: releasing a model built sharded])."""
+    flat.settle_gather()
+    if flat.shard_is_borrowed:
+        flat.shard = flat.shard.clone()
+    for param in flat.params:
+        if not param.is_meta:
+            placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+    flat.full = torch.empty(0, dtype=flat.full.dtype, device=flat.full.device)
 
 
 class ReleasedShards:

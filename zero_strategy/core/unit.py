@@ -16,6 +16,7 @@ from zero_strategy.core.sharding import UnitPlan
 from zero_strategy.core.transport.choice import DistContext
 from zero_strategy.core.transport.collectives import CommunicationLog
 from zero_strategy.core.transport.shared_shards import SharedShards
+from zero_strategy.core.transport.streams import CollectiveStreams
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class UnitOptions:
     placement: Placement | None  # offload, or None
     shared: SharedShards | None = None  # stage 3 on one host's CPU ranks: shards in shared memory
     materialize_device: torch.device | None = None  # meta parameters get storage there
+    streams: CollectiveStreams | None = None  # CUDA side streams; None or disabled elsewhere
 
 
 class TrainingState(Enum):
@@ -75,7 +77,8 @@ class ZeroUnit:
                 group_of = {id(p): owner[id(p)][1] for _, p in named}
             reduce_dtype = policy.reduce_dtype if policy else None
             flat_options = FlatOptions(
-                options.keeps_full, compute, options.placement, options.shared, reduce_dtype, options.materialize_device
+                options.keeps_full, compute, options.placement, options.shared, reduce_dtype,
+                options.materialize_device, options.streams,
             )
             self.flat_params.append(FlatParam(named, group_of, ctx, log, flat_options))
             self.optimizer_index.append(opt_index)

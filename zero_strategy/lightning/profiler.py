@@ -96,6 +96,10 @@ class CommunicationProfiler(Callback):
         # torch's step hooks time the optimizer's own step(), whoever calls it (Lightning, manual optimization,
         # each chunk of an nvme step); registered last, they exclude ZeRO's own pre-step work.
         self._remove_hooks()
+        # On a GPU the host does not block on collectives: blocked time is the compute stream's wait, timed with
+        # CUDA events (see CommunicationLog.device_timing); reading them once per batch synchronises, which a
+        # profiling run accepts (its wall time needs it too).
+        self._log(trainer).device_timing = trainer.strategy.engine.streams.enabled  # type: ignore[attr-defined]
         for optimizer in trainer.strategy.engine.optimizers:  # type: ignore[attr-defined]
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
@@ -117,8 +121,9 @@ class CommunicationProfiler(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # The optimizer step (and stage 1's reduction) runs inside this batch's closure, so it is included.
-        wall = time.perf_counter() - self._start
         log = self._log(trainer)
+        log.settle_device_times()  # on a GPU: waits for this batch's work, so the wall time below is real too
+        wall = time.perf_counter() - self._start
         record = StepRecord(
             wall_s=wall,
             blocked_s={k: log.seconds_by_kind.get(k, 0.0) - self._seconds.get(k, 0.0) for k in KINDS},

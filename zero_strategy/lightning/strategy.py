@@ -47,6 +47,7 @@ from zero_strategy.core.activation_checkpointing import (
 )
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.memory import MemoryReport, memory_report
+from zero_strategy.core.transport.collectives import barrier
 from zero_strategy.core.transport.topology import RankLayout, Topology, build_rank_layout
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
@@ -351,7 +352,7 @@ class ZeroStrategy(ParallelStrategy):
             # A spawn-launched worker exits right after teardown. Tearing the process group down here, together,
             # replaces an implicit teardown at interpreter exit, where a gloo rank was seen to abort now and then
             # ("terminate called without an active exception") after its work was done.
-            dist.barrier()
+            barrier()
             dist.destroy_process_group()
             report_rank_finished(self.local_rank)
 
@@ -451,10 +452,7 @@ class ZeroStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        barrier()  # with device_ids on NCCL
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:

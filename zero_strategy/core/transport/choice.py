@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, prefers_point_to_point
+from zero_strategy.core.transport import collectives
+from zero_strategy.core.transport.collectives import (
+    CommunicationLog,
+    ProcessGroup,
+    prefers_point_to_point,
+)
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_shards import SharedShards
 from zero_strategy.core.transport.topology import ParamGroup, RankLayout, Replicas, Topology, build_rank_layout
@@ -42,6 +47,12 @@ class DistContext:
     def everyone_src(self) -> int:
         """Global rank whose values every rank of ``everyone`` adopts (its first rank)."""
         return self.src_rank if self.replicas is None else 0
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where tensors handed to this group's collectives live (see [Note: collectives run on the group's
+        device] in collectives.py): this rank's CUDA device on NCCL, the CPU on gloo."""
+        return collectives.collective_device(self.group)
 
 
 def rank_layout(group: ProcessGroup | RankLayout, config: ZeroConfig) -> RankLayout:
@@ -120,6 +131,11 @@ def choose_gather_watch(ctx: DistContext, reshards: bool, shared: SharedShards |
     diverging gathers] in gather_watch.py). Shared-memory gathers are local copies and need no watch."""
     local = shared is not None and shared.connected
     if not reshards or local or ctx.world_size == 1:
+        return None
+    if ctx.collective_device.type != "cpu":
+        # The watch waits in a thread of its own, and its per-step check reads a result back to the host: on a GPU
+        # the first would wait on the wrong thread's stream and the second would synchronise every step. There a
+        # diverging gather ends with NCCL's own timeout (process_group_timeout_s) instead.
         return None
     members = dist.get_process_group_ranks(ctx.group or dist.group.WORLD)  # groups share one store
     key = f"{next(_watch_numbers)}/{'-'.join(map(str, members))}"

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_strategy.core.transport import point_to_point as point_to_point_exchange
+from zero_strategy.core.transport.streams import CollectiveStreams
 from zero_strategy.core.transport.topology import INTRA_NODE, Replicas, Topology
 
 ProcessGroup = dist.ProcessGroup | None
@@ -47,7 +49,12 @@ class CommunicationLog:
     inter_node_bytes_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """The ``inter_node`` part of ``bytes_by_link`` per collective kind (which exchanges cross nodes)."""
     topology: Topology | None = None  # None: every rank on one node
+    device_timing: bool = False
+    """On a GPU, also time how long the compute stream waited for each collective, with CUDA events (the host does
+    not block there, so host time says nothing); the profiler turns this on and reads it through
+    :meth:`settle_device_times`, off the hot path."""
     _members: dict[int, list[int]] = field(default_factory=dict)  # id(group) → its global ranks
+    _device_intervals: list[tuple[str, Any, Any]] = field(default_factory=list)  # (kind, start, end) CUDA events
 
     def record(self, kind: str, nbytes: int) -> None:
         self.bytes_by_kind[kind] += nbytes
@@ -79,7 +86,21 @@ class CommunicationLog:
         finally:
             self.seconds_by_kind[kind] += time.perf_counter() - start
 
+    def stream_timer(self, kind: str) -> Callable[[Any, Any], None] | None:
+        """Where a stream wait reports its (start, end) events, or None when device timing is off."""
+        if not self.device_timing:
+            return None
+        return lambda start, end: self._device_intervals.append((kind, start, end))
+
+    def settle_device_times(self) -> None:
+        """Add the recorded device waits to ``seconds_by_kind`` (waits for their events: call it when logging)."""
+        intervals, self._device_intervals = self._device_intervals, []
+        for kind, start, end in intervals:
+            end.synchronize()
+            self.seconds_by_kind[kind] += start.elapsed_time(end) / 1000.0
+
     def reset(self) -> None:
+        self._device_intervals.clear()
         self.bytes_by_kind.clear()
         self.calls_by_kind.clear()
         self.seconds_by_kind.clear()
@@ -119,6 +140,47 @@ class PendingGather(NamedTuple):
         return self.output
 
 
+def collective_device(group: ProcessGroup) -> torch.device:
+    """The device whose tensors ``group``'s backend accepts: this rank's CUDA device on NCCL, the CPU otherwise.
+
+    [Note: collectives run on the group's device]
+    NCCL refuses CPU tensors and gloo (in this package's use) CPU ones only, so every tensor handed to a collective
+    lives here, whatever device the data came from: a norm of CPU-offloaded gradients, a flag on a rank holding no
+    gradient, a bitmap built on the host. The one rule is this function; the collectives below move a tensor that
+    is elsewhere (small ones: scalars, flags) or refuse it (flat buffers, which are built on the right device)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:  # a mixed "cpu:gloo,cuda:nccl" group takes CPU tensors too
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_device(tensor: Tensor, group: ProcessGroup, what: str) -> None:
+    """Flat buffers live where the module computes: on a backend that cannot take them (gloo with a module on a
+    GPU, NCCL with one on the CPU) say so before the backend fails with a less helpful message."""
+    wanted = collective_device(group)
+    if tensor.device.type != wanted.type:
+        raise RuntimeError(
+            f"ZeRO: the {what} buffer is on {tensor.device}, but the process group's backend "
+            f"({dist.get_backend(group)}) needs {wanted} tensors: train on GPUs with NCCL and on CPUs with gloo "
+            "(see [Note: collectives run on the group's device])."
+        )
+
+
+@contextmanager
+def on_collective_device(tensor: Tensor, group: ProcessGroup) -> Iterator[Tensor]:
+    """``tensor`` itself when it is on ``group``'s device, else a copy there whose values are written back on exit
+    (small tensors only: norms, flags, bitmaps)."""
+    device = collective_device(group)
+    if tensor.device == device:
+        yield tensor
+        return
+    moved = tensor.to(device)
+    yield moved
+    tensor.copy_(moved)
+
+
 def _world(group: ProcessGroup) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
@@ -131,14 +193,21 @@ def all_gather_flat(
     async_op: bool = False,
     point_to_point: bool = False,
     salt: int = 0,
+    streams: CollectiveStreams | None = None,
 ) -> PendingGather:
     """Fill ``output`` (``world_size`` × ``shard``) with every rank's shard, in rank order (``salt``: see
-    :func:`point_to_point.all_gather`)."""
+    :func:`point_to_point.all_gather`). With ``streams`` on a GPU the gather runs on the gather stream and
+    ``wait()`` orders the current stream after it (see [Note: streams for gathers and reductions])."""
     log.record("all_gather", output.numel() * output.element_size())
     log.record_sends("all_gather", group, shard.numel() * shard.element_size())
     if _world(group) == 1:
         output.copy_(shard)
         return PendingGather(None, output)
+    _check_device(output, group, "all-gather output")
+    if streams is not None and streams.enabled and output.is_cuda:
+        issue = partial(_issue_gather, output, shard, group, point_to_point, salt)
+        ready = streams.ready("gather", issue, (output, shard), log.stream_timer("all_gather"))
+        return PendingGather(ready, output, None)
     work: Waitable | None
     with log.blocking("all_gather"):
         if point_to_point:
@@ -148,6 +217,27 @@ def all_gather_flat(
         else:
             work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     return PendingGather(work if async_op else None, output, log)
+
+
+def _issue_gather(output: Tensor, shard: Tensor, group: ProcessGroup, point_to_point: bool, salt: int) -> None:
+    """Start the gather and make the current (side) stream wait for it: NCCL's ``wait`` blocks a stream, not the
+    host."""
+    if point_to_point:
+        point_to_point_exchange.all_gather(output, shard, group, salt).wait()
+    else:
+        _expect_work(dist.all_gather_into_tensor(output, shard, group=group, async_op=True)).wait()
+
+
+def _issue_reduce(shard: Tensor, flat: Tensor, group: ProcessGroup, point_to_point: bool) -> None:
+    if point_to_point:
+        point_to_point_exchange.reduce_scatter_sum(shard, flat, group).wait()
+    else:
+        _expect_work(dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)).wait()
+
+
+def _expect_work(work: Any) -> Waitable:
+    assert work is not None, "async_op=True returns a Work"
+    return work  # type: ignore[no-any-return]
 
 
 class PendingReduce:
@@ -176,7 +266,11 @@ class PendingReduce:
 
 
 def start_reduce_scatter_mean(
-    flat: Tensor, group: ProcessGroup, log: CommunicationLog, point_to_point: bool = False
+    flat: Tensor,
+    group: ProcessGroup,
+    log: CommunicationLog,
+    point_to_point: bool = False,
+    streams: CollectiveStreams | None = None,
 ) -> PendingReduce:
     """Start averaging ``flat`` over ranks; ``wait()`` gives this rank's equal-sized slice (a new tensor)."""
     world = _world(group)
@@ -186,6 +280,11 @@ def start_reduce_scatter_mean(
     if world == 1:
         shard.copy_(flat)
         return PendingReduce(None, shard, world, log)
+    _check_device(flat, group, "reduce-scatter input")
+    if streams is not None and streams.enabled and flat.is_cuda:
+        issue = partial(_issue_reduce, shard, flat, group, point_to_point)
+        ready = streams.ready("reduce", issue, (flat, shard), log.stream_timer("reduce_scatter"))
+        return PendingReduce(ready, shard, world, log)
     work: Waitable | None
     with log.blocking("reduce_scatter"):
         if point_to_point:
@@ -206,6 +305,7 @@ def all_reduce_mean_over_replicas(
     with log.blocking("replica_all_reduce"):
         if not point_to_point:
             log.record_sends("replica_all_reduce", group, 2 * tensor.numel() * tensor.element_size() // count)
+            _check_device(tensor, group, "replica all-reduce")
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         else:
             chunk = -(-tensor.numel() // count)
@@ -241,8 +341,8 @@ def _all_reduce(tensor: Tensor, group: ProcessGroup, log: CommunicationLog, op: 
     log.record("all_reduce", tensor.numel() * tensor.element_size())
     log.record_sends("all_reduce", group, 2 * tensor.numel() * tensor.element_size() // _world(group))
     if _world(group) > 1:
-        with log.blocking("all_reduce"):
-            dist.all_reduce(tensor, op=op, group=group)
+        with log.blocking("all_reduce"), on_collective_device(tensor, group) as moved:
+            dist.all_reduce(moved, op=op, group=group)
     return tensor
 
 
@@ -251,9 +351,22 @@ def broadcast_flat(tensor: Tensor, src: int, group: ProcessGroup, log: Communica
     log.record("broadcast", tensor.numel() * tensor.element_size())
     log.record_sends("broadcast", group, tensor.numel() * tensor.element_size(), only_from=src)
     if _world(group) > 1:
-        with log.blocking("broadcast"):
-            dist.broadcast(tensor, src=src, group=group)
+        with log.blocking("broadcast"), on_collective_device(tensor, group) as moved:
+            dist.broadcast(moved, src=src, group=group)
     return tensor
+
+
+def barrier(group: ProcessGroup = None) -> None:
+    """Every rank of ``group`` reaches this point. NCCL is told this rank's device: without ``device_ids`` it
+    guesses one from the rank number, which is wrong when each rank sees one GPU (SLURM) or ranks do not map to
+    devices in order, and it warns or hangs."""
+    if _world(group) == 1:
+        return
+    device = collective_device(group)
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
 
 
 def broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:

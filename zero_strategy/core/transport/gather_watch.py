@@ -38,7 +38,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, Waitable, all_reduce_max
+from zero_strategy.core.transport import collectives
+from zero_strategy.core.transport.collectives import (
+    CommunicationLog,
+    ProcessGroup,
+    Waitable,
+    all_reduce_max,
+)
 
 PATIENCE_S = 5.0
 """A wait longer than this consults the peers: long enough that a healthy step never reaches it on a loaded CI
@@ -90,7 +96,8 @@ class GatherWatch:
         """Collective, once per optimizer step: every rank gathered the same units since the last check (with
         ``collectives="native"`` equal-sized gathers of different units would pair up without waiting)."""
         fingerprint, self.fingerprint = self.fingerprint, 0
-        both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+        device = collectives.collective_device(self.group)
+        both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
         largest, negated_smallest = self.call("gather check", lambda: all_reduce_max(both, self.group, log)).tolist()
         if largest != -negated_smallest:
             raise DivergedGathersError(

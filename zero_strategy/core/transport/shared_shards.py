@@ -30,10 +30,9 @@ import socket
 import uuid
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from zero_strategy.core.transport.collectives import ProcessGroup, all_gather_object, broadcast_object
+from zero_strategy.core.transport.collectives import ProcessGroup, all_gather_object, barrier, broadcast_object
 
 SHM_DIR = "/dev/shm"
 
@@ -137,7 +136,7 @@ class SharedShards:
         return self._peers[key]
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        barrier(self.group)
 
     before_writes = barrier
     """Called before this rank changes its shards (optimizer step, checkpoint load): peers finished reading."""
