@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.bench_compile import compiled_blocks, compiled_whole
 from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun, counting_allreduce_hook
 from benchmarks.bench_deepspeed import build_deepspeed
 from benchmarks.bench_model import BenchGPT
@@ -84,6 +85,16 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "zero_redundancy": _build_zero_redundancy,
     "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
     "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
+}
+
+# torch.compile rows (benchmarks/bench_compile.py): not in the default method list, compiling takes minutes here.
+COMPILED_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    "ddp_compile": functools.partial(compiled_blocks, _build_ddp),
+    "ddp_compile_whole": functools.partial(compiled_whole, _build_ddp),
+    **{
+        f"zero{stage}_compile": functools.partial(compiled_blocks, functools.partial(_build_zero, stage))
+        for stage in (1, 2, 3)
+    },
 }
 
 # DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default

@@ -27,13 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.bench_compile import compile_table, dynamo_counts
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
-from benchmarks.bench_methods import BUILDERS, FLOOR
+from benchmarks.bench_methods import BUILDERS, COMPILED_METHODS, FLOOR
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
 
-METHODS = list(BUILDERS)
+DEFAULT_METHODS = list(BUILDERS)
+METHODS = [*BUILDERS, *COMPILED_METHODS]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,8 +50,8 @@ class BenchOptions:
     """Timed optimizer steps per (repetition, method)."""
     warmup: int = 2
     """Untimed steps before them (at least 1, so the optimizer state exists when memory is measured)."""
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """Which methods, in this order."""
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    """Which methods, in this order (the ``*_compile`` rows only when named)."""
     world_size: int = 2
     """Number of CPU ranks."""
     batch: int | None = None
@@ -141,8 +143,10 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
     times: list[float] = []
     losses: list[float] = []
     memory: dict[str, Any] = {}
+    frames_at_warmup = 0
     for index, tokens in enumerate(batches):
         if index == warmup:  # traffic counts from the first timed step
+            frames_at_warmup = dynamo_counts()["frames"]
             dist.barrier()
             counter.bytes_by_kind.clear()
             if run.engine is not None:
@@ -164,7 +168,8 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
         losses.append(loss.item())
         if index >= warmup:
             times.append((backward_done - start) + (end - step_start))
-    return {"times": times, "losses": losses, **memory}
+    dynamo = {**dynamo_counts(), "timed_frames": dynamo_counts()["frames"] - frames_at_warmup}
+    return {"times": times, "losses": losses, "dynamo": dynamo, **memory}
 
 
 def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) -> dict[str, Any]:
@@ -178,7 +183,7 @@ def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) 
     counter = CollectiveCounter()
     counter.install()
     try:
-        run = BUILDERS[method](build_model(shape), counter)
+        run = {**BUILDERS, **COMPILED_METHODS}[method](build_model(shape), counter)
         result = _train(run, batches, options.warmup, counter)
         result["counted"] = dict(counter.bytes_by_kind)
         if run.engine is not None:
@@ -202,6 +207,7 @@ class MethodResult:
     counted: dict[str, float] = field(default_factory=dict)  # ZeRO: the dist wrappers' count, per step
     peak_rss: int = 0  # largest over ranks and repetitions
     losses: list[float] = field(default_factory=list)  # rank 0, first repetition
+    dynamo: dict[str, int] = field(default_factory=dict)  # compiled methods: rank 0's dynamo counts, last repetition
 
 
 def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> None:
@@ -217,6 +223,8 @@ def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> No
         result.counted = {kind: nbytes / steps for kind, nbytes in ranks[0]["counted"].items()}
     result.peak_rss = max(result.peak_rss, *(r["peak_rss"] for r in ranks))
     result.losses = result.losses or ranks[0]["losses"]
+    if result.method in COMPILED_METHODS:
+        result.dynamo = ranks[0]["dynamo"]
 
 
 def _failure_reason(error: BaseException) -> str:
@@ -274,9 +282,16 @@ def _row(result: MethodResult, ddp_ms: float | None, floor_ms: float | None, psi
     else:
         sent_cell = f"{_mib(sent)} ({sent / comm_theory:.2f}x theory)"
     cells = [
-        result.method, f"{median_ms:.1f}", vs_ddp, _above_floor(median_ms, floor_ms, result.method), state_cell,
-        _mib(state_theory), f"{state / state_theory:.3f}x",
-        sent_cell, _mib(comm_theory), _mib(result.peak_rss),
+        result.method,
+        f"{median_ms:.1f}",
+        vs_ddp,
+        _above_floor(median_ms, floor_ms, result.method),
+        state_cell,
+        _mib(state_theory),
+        f"{state / state_theory:.3f}x",
+        sent_cell,
+        _mib(comm_theory),
+        _mib(result.peak_rss),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -326,9 +341,16 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
     floor = next((r for r in results if r.method == FLOOR and r.failure is None), None)
     floor_ms = statistics.median(floor.step_times) * 1e3 if floor else None
     header = [
-        "method", "median step ms", "ratio to DDP", "time above floor", "model state / rank", "theory",
+        "method",
+        "median step ms",
+        "ratio to DDP",
+        "time above floor",
+        "model state / rank",
+        "theory",
         "ratio to theory",
-        "bytes sent / step", "theory", "peak RSS / rank above baseline",
+        "bytes sent / step",
+        "theory",
+        "peak RSS / rank above baseline",
     ]
     lines = [
         f"command: {command}",
@@ -340,6 +362,8 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
         *(_row(result, ddp_ms, floor_ms, psi, options.world_size) for result in results),
+        "",
+        *compile_table(results, ddp_ms),
         "",
         *_details(results, psi),
         "",
@@ -355,7 +379,9 @@ def parse_args(argv: list[str]) -> BenchOptions:
     parser.add_argument("--reps", type=int, default=defaults.reps, help="repetitions (methods interleaved)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per repetition and method")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps before them (>= 1)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
+    )
     parser.add_argument("--world-size", type=int, default=defaults.world_size, help="number of CPU ranks")
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default: preset's)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: preset's)")
