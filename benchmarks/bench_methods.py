@@ -44,9 +44,13 @@ def _build_ddp(model: nn.Module, counter: CollectiveCounter, fused: bool | None 
     return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
 
 
-def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+def _build_zero(
+    stage: int, model: nn.Module, counter: CollectiveCounter, unit_modules: list[str] | None = None
+) -> MethodRun:
+    """``unit_modules``: ZeroConfig's (None: the default units, where the 30 M model's MLP layers, 1 M parameters
+    each, are units of their own inside each block's unit)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)  # the user's, unmodified (ZeRO fuses it)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, unit_modules=unit_modules or []))
 
     def step() -> None:
         engine.optimizer_step(optimizer)
@@ -82,6 +86,7 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "zero1": functools.partial(_build_zero, 1),
     "zero2": functools.partial(_build_zero, 2),
     "zero3": functools.partial(_build_zero, 3),
+    "zero3_block_units": functools.partial(_build_zero, 3, unit_modules=["Block"]),
     "zero_redundancy": _build_zero_redundancy,
     "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
     "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
@@ -95,6 +100,10 @@ COMPILED_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]]
         f"zero{stage}_compile": functools.partial(compiled_blocks, functools.partial(_build_zero, stage))
         for stage in (1, 2, 3)
     },
+    # every unit a whole block: nothing inside a compiled block gathers, so nothing breaks its graph
+    "zero3_block_units_compile": functools.partial(
+        compiled_blocks, functools.partial(_build_zero, 3, unit_modules=["Block"])
+    ),
 }
 
 # DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default

@@ -77,6 +77,7 @@ class BenchOptions:
 def theory_state_bytes(method: str, psi: int, world: int) -> float:
     """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
+    method = method.split("_compile")[0]  # compiling changes no byte of the model state
     if method in ("zero1", "zero_redundancy"):
         return 4 * psi + 4 * psi + 8 * psi / world
     if method == "zero2":
@@ -90,9 +91,10 @@ def theory_comm_bytes(method: str, psi: int) -> int:
     """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
+    method = method.split("_compile")[0]  # nor what is sent
     if method == FLOOR:
         return 0
-    three = method in ("zero3", "zero_redundancy", "fsdp2_reshard_true")
+    three = method in ("zero3", "zero3_block_units", "zero_redundancy", "fsdp2_reshard_true")
     return (3 if three else 2) * psi * 4  # fp32
 
 

@@ -1,6 +1,7 @@
 """torch.compile under ZeRO stages 1/2/3: the same weights as eager ZeRO and as DDP + compile, no graph break
 inside a compiled block, no recompilation after the first step, and one graph break per unit (at most) where a
-whole stage-3 model is compiled around its units' gather hooks (see [Note: torch.compile] in core/hooks.py).
+whole stage-3 model is compiled around its units' gather hooks, and ``fullgraph=True`` there fails with an error
+that names the fix (see [Note: torch.compile] in core/hooks.py).
 
 One ``run_ranks`` call (2 ranks) trains every configuration in turn, 3 steps each, and the tests read its results.
 Dynamo is reset between configurations, so each one is traced from scratch and its counters are its own.
@@ -88,9 +89,26 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def _all_configs(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]:
+def _fullgraph_error(rank: int, world_size: int) -> str:
+    """``fullgraph=True`` on a whole stage-3 model cannot work (the gathers are collectives): dynamo's error."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _unrolled()
+    ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+    tokens = rank_slice(make_batches(1, 1, GLOBAL_BATCH)[0][0], rank, world_size)
+    try:
+        lm_loss(torch.compile(model, backend="aot_eager", fullgraph=True), tokens)
+    except Exception as error:  # every rank fails at the same point: at the first unit, before any gather
+        return str(error)
+    return "no error"
+
+
+def _all_configs(rank: int, world_size: int) -> dict[Any, Any]:
     torch._inductor.config.compile_threads = 1  # no pool of compile workers fighting the ranks for 2 cores
-    return {config: _train(rank, world_size, *config) for config in CONFIGS}
+    results: dict[Any, Any] = {config: _train(rank, world_size, *config) for config in CONFIGS}
+    results["fullgraph_error"] = _fullgraph_error(rank, world_size)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +129,7 @@ def test_compiled_zero_trains_like_eager_zero_and_ddp_compile(runs: list[dict[tu
         assert_state_close(compiled, ddp_compiled, rel=1e-5, what=f"zero{stage} + compile vs ddp + compile")
     unrolled = results["zero3", "whole_unrolled"]["state"]
     assert_state_close(unrolled, results["zero3", "eager"]["state"], rel=1e-5, what="zero3, whole model compiled")
-    for rank, other in enumerate(runs[1:], start=1):
+    for rank, other in enumerate(runs[1:], start=1):  # every rank ends with the same weights
         for config in CONFIGS:
             assert_state_close(other[config]["state"], results[config]["state"], rel=0.0, what=f"rank {rank} {config}")
 
@@ -140,3 +158,10 @@ def test_whole_stage3_model_breaks_at_most_once_per_unit(runs: list[dict[tuple[s
         run = rank_results["zero3", "whole_unrolled"]
         assert 0 < run["graph_breaks"] <= N_BLOCKS, f"{run['graph_breaks']} graph breaks for {N_BLOCKS} units"
         assert run["frames_before_step"][1:] == [run["frames"]] * (STEPS - 1), run["frames_before_step"]
+
+
+def test_fullgraph_on_a_whole_stage3_model_names_the_fix(runs: list[dict[Any, Any]]) -> None:
+    for rank_results in runs:
+        message = rank_results["fullgraph_error"]
+        assert "ZeRO gathers or frees a unit's parameters here" in message, message
+        assert "block.compile()" in message, message
