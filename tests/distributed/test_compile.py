@@ -99,7 +99,7 @@ def _fullgraph_error(rank: int, world_size: int) -> str:
     tokens = rank_slice(make_batches(1, 1, GLOBAL_BATCH)[0][0], rank, world_size)
     try:
         lm_loss(torch.compile(model, backend="aot_eager", fullgraph=True), tokens)
-    except Exception as error:  # every rank fails at the same point: at the first unit, before any gather
+    except Exception as error:  # every rank fails at the same point: tracing the first block unit's call
         return str(error)
     return "no error"
 
