@@ -11,6 +11,7 @@ best. The first warm-up step compiles; the timed steps must compile nothing (the
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,3 +92,45 @@ def compile_table(results: list[Any], ddp_ms: float | None) -> list[str]:
 
 def _ratio(value: float, reference: float | None) -> str:
     return f"{value / reference:.2f}x" if reference else "n/a"
+
+
+def compute_only(params: str, reps: int, steps: int) -> list[str]:
+    """What compiling the blocks can give at most: forward + backward of one process (one thread, the per-rank
+    batch, no communication, no optimizer), eager against compiled blocks, interleaved over ``reps``."""
+    from benchmarks.bench_model import PRESETS, build_model, lm_loss, rank_batches
+
+    torch.set_num_threads(1)
+    _configure_inductor()
+    shape = PRESETS[params]
+    batches = rank_batches(shape, steps + 2, shape.batch, shape.seq, 0, 1)
+    lines = []
+    for rep in range(reps):
+        times = {}
+        for compiled in (False, True):
+            model = build_model(shape)
+            if compiled:
+                for block in model.blocks:
+                    block.compile()
+            samples = []
+            for tokens in batches:  # the first two steps compile (forward, then backward)
+                start = time.perf_counter()
+                lm_loss(model, tokens).backward()
+                samples.append(time.perf_counter() - start)
+                model.zero_grad(set_to_none=True)
+            times[compiled] = statistics.median(samples[2:]) * 1e3
+        ratio = times[True] / times[False]
+        lines.append(f"rep {rep}: forward+backward eager {times[False]:.0f} ms, compiled blocks {times[True]:.0f} ms "
+                     f"({ratio:.2f}x)")  # fmt: skip
+        print(lines[-1], flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_compile", description=compute_only.__doc__)
+    parser.add_argument("--params", default="30m", help="model size preset (benchmarks/bench_model.py)")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps after two compiling ones")
+    args = parser.parse_args()
+    compute_only(args.params, args.reps, args.steps)
