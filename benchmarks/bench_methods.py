@@ -86,14 +86,15 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "zero1": functools.partial(_build_zero, 1),
     "zero2": functools.partial(_build_zero, 2),
     "zero3": functools.partial(_build_zero, 3),
-    "zero3_block_units": functools.partial(_build_zero, 3, unit_modules=["Block"]),
     "zero_redundancy": _build_zero_redundancy,
     "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
     "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
 }
 
-# torch.compile rows (benchmarks/bench_compile.py): not in the default method list, compiling takes minutes here.
-COMPILED_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+# Rows run only when named in --methods: torch.compile (benchmarks/bench_compile.py; compiling takes minutes here),
+# and zero3 with the blocks as its only units (the eager twin of zero3_block_units_compile).
+OPT_IN_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    "zero3_block_units": functools.partial(_build_zero, 3, unit_modules=["Block"]),
     "ddp_compile": functools.partial(compiled_blocks, _build_ddp),
     "ddp_compile_whole": functools.partial(compiled_whole, _build_ddp),
     **{

@@ -29,13 +29,13 @@ from torch import Tensor
 
 from benchmarks.bench_compile import compile_table, dynamo_counts
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
-from benchmarks.bench_methods import BUILDERS, COMPILED_METHODS, FLOOR
+from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 DEFAULT_METHODS = list(BUILDERS)
-METHODS = [*BUILDERS, *COMPILED_METHODS]
+METHODS = [*BUILDERS, *OPT_IN_METHODS]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,7 +51,7 @@ class BenchOptions:
     warmup: int = 2
     """Untimed steps before them (at least 1, so the optimizer state exists when memory is measured)."""
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
-    """Which methods, in this order (the ``*_compile`` rows only when named)."""
+    """Which methods, in this order (``OPT_IN_METHODS``, e.g. the ``*_compile`` rows, only when named)."""
     world_size: int = 2
     """Number of CPU ranks."""
     batch: int | None = None
@@ -185,7 +185,7 @@ def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) 
     counter = CollectiveCounter()
     counter.install()
     try:
-        run = {**BUILDERS, **COMPILED_METHODS}[method](build_model(shape), counter)
+        run = {**BUILDERS, **OPT_IN_METHODS}[method](build_model(shape), counter)
         result = _train(run, batches, options.warmup, counter)
         result["counted"] = dict(counter.bytes_by_kind)
         if run.engine is not None:
@@ -225,7 +225,7 @@ def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> No
         result.counted = {kind: nbytes / steps for kind, nbytes in ranks[0]["counted"].items()}
     result.peak_rss = max(result.peak_rss, *(r["peak_rss"] for r in ranks))
     result.losses = result.losses or ranks[0]["losses"]
-    if result.method in COMPILED_METHODS:
+    if "_compile" in result.method:
         result.dynamo = ranks[0]["dynamo"]
 
 
@@ -284,16 +284,9 @@ def _row(result: MethodResult, ddp_ms: float | None, floor_ms: float | None, psi
     else:
         sent_cell = f"{_mib(sent)} ({sent / comm_theory:.2f}x theory)"
     cells = [
-        result.method,
-        f"{median_ms:.1f}",
-        vs_ddp,
-        _above_floor(median_ms, floor_ms, result.method),
-        state_cell,
-        _mib(state_theory),
-        f"{state / state_theory:.3f}x",
-        sent_cell,
-        _mib(comm_theory),
-        _mib(result.peak_rss),
+        result.method, f"{median_ms:.1f}", vs_ddp, _above_floor(median_ms, floor_ms, result.method), state_cell,
+        _mib(state_theory), f"{state / state_theory:.3f}x",
+        sent_cell, _mib(comm_theory), _mib(result.peak_rss),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -343,16 +336,9 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
     floor = next((r for r in results if r.method == FLOOR and r.failure is None), None)
     floor_ms = statistics.median(floor.step_times) * 1e3 if floor else None
     header = [
-        "method",
-        "median step ms",
-        "ratio to DDP",
-        "time above floor",
-        "model state / rank",
-        "theory",
+        "method", "median step ms", "ratio to DDP", "time above floor", "model state / rank", "theory",
         "ratio to theory",
-        "bytes sent / step",
-        "theory",
-        "peak RSS / rank above baseline",
+        "bytes sent / step", "theory", "peak RSS / rank above baseline",
     ]
     lines = [
         f"command: {command}",
