@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.bench_compile import compiled_blocks, compiled_whole
 from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun, counting_allreduce_hook
 from benchmarks.bench_deepspeed import build_deepspeed
 from benchmarks.bench_model import BenchGPT
@@ -43,9 +44,13 @@ def _build_ddp(model: nn.Module, counter: CollectiveCounter, fused: bool | None 
     return MethodRun(ddp, model, optimizer, optimizer.step, optimizer)
 
 
-def _build_zero(stage: int, model: nn.Module, counter: CollectiveCounter) -> MethodRun:
+def _build_zero(
+    stage: int, model: nn.Module, counter: CollectiveCounter, unit_modules: list[str] | None = None
+) -> MethodRun:
+    """``unit_modules``: ZeroConfig's (None: the default units, where the 30 M model's MLP layers, 1 M parameters
+    each, are units of their own inside each block's unit)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)  # the user's, unmodified (ZeRO fuses it)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, unit_modules=unit_modules or []))
 
     def step() -> None:
         engine.optimizer_step(optimizer)
@@ -84,6 +89,22 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "zero_redundancy": _build_zero_redundancy,
     "fsdp2_reshard_false": functools.partial(_build_fsdp2, False),
     "fsdp2_reshard_true": functools.partial(_build_fsdp2, True),
+}
+
+# Rows run only when named in --methods: torch.compile (benchmarks/bench_compile.py; compiling takes minutes here),
+# and zero3 with the blocks as its only units (the eager twin of zero3_block_units_compile).
+OPT_IN_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    "zero3_block_units": functools.partial(_build_zero, 3, unit_modules=["Block"]),
+    "ddp_compile": functools.partial(compiled_blocks, _build_ddp),
+    "ddp_compile_whole": functools.partial(compiled_whole, _build_ddp),
+    **{
+        f"zero{stage}_compile": functools.partial(compiled_blocks, functools.partial(_build_zero, stage))
+        for stage in (1, 2, 3)
+    },
+    # every unit a whole block: nothing inside a compiled block gathers, so nothing breaks its graph
+    "zero3_block_units_compile": functools.partial(
+        compiled_blocks, functools.partial(_build_zero, 3, unit_modules=["Block"])
+    ),
 }
 
 # DeepSpeed's rows exist only where it is installed (it is no dependency of this package). They stay in the default

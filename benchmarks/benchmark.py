@@ -27,13 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.bench_compile import compile_table, dynamo_counts
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
-from benchmarks.bench_methods import BUILDERS, FLOOR
+from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
 
-METHODS = list(BUILDERS)
+DEFAULT_METHODS = list(BUILDERS)
+METHODS = [*BUILDERS, *OPT_IN_METHODS]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,8 +50,8 @@ class BenchOptions:
     """Timed optimizer steps per (repetition, method)."""
     warmup: int = 2
     """Untimed steps before them (at least 1, so the optimizer state exists when memory is measured)."""
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """Which methods, in this order."""
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    """Which methods, in this order (``OPT_IN_METHODS``, e.g. the ``*_compile`` rows, only when named)."""
     world_size: int = 2
     """Number of CPU ranks."""
     batch: int | None = None
@@ -75,6 +77,7 @@ class BenchOptions:
 def theory_state_bytes(method: str, psi: int, world: int) -> float:
     """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
+    method = method.split("_compile")[0]  # compiling changes no byte of the model state
     if method in ("zero1", "zero_redundancy"):
         return 4 * psi + 4 * psi + 8 * psi / world
     if method == "zero2":
@@ -88,9 +91,10 @@ def theory_comm_bytes(method: str, psi: int) -> int:
     """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
+    method = method.split("_compile")[0]  # nor what is sent
     if method == FLOOR:
         return 0
-    three = method in ("zero3", "zero_redundancy", "fsdp2_reshard_true")
+    three = method in ("zero3", "zero3_block_units", "zero_redundancy", "fsdp2_reshard_true")
     return (3 if three else 2) * psi * 4  # fp32
 
 
@@ -141,8 +145,10 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
     times: list[float] = []
     losses: list[float] = []
     memory: dict[str, Any] = {}
+    frames_at_warmup = 0
     for index, tokens in enumerate(batches):
         if index == warmup:  # traffic counts from the first timed step
+            frames_at_warmup = dynamo_counts()["frames"]
             dist.barrier()
             counter.bytes_by_kind.clear()
             if run.engine is not None:
@@ -164,7 +170,8 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
         losses.append(loss.item())
         if index >= warmup:
             times.append((backward_done - start) + (end - step_start))
-    return {"times": times, "losses": losses, **memory}
+    dynamo = {**dynamo_counts(), "timed_frames": dynamo_counts()["frames"] - frames_at_warmup}
+    return {"times": times, "losses": losses, "dynamo": dynamo, **memory}
 
 
 def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) -> dict[str, Any]:
@@ -178,7 +185,7 @@ def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) 
     counter = CollectiveCounter()
     counter.install()
     try:
-        run = BUILDERS[method](build_model(shape), counter)
+        run = {**BUILDERS, **OPT_IN_METHODS}[method](build_model(shape), counter)
         result = _train(run, batches, options.warmup, counter)
         result["counted"] = dict(counter.bytes_by_kind)
         if run.engine is not None:
@@ -202,6 +209,7 @@ class MethodResult:
     counted: dict[str, float] = field(default_factory=dict)  # ZeRO: the dist wrappers' count, per step
     peak_rss: int = 0  # largest over ranks and repetitions
     losses: list[float] = field(default_factory=list)  # rank 0, first repetition
+    dynamo: dict[str, int] = field(default_factory=dict)  # compiled methods: rank 0's dynamo counts, last repetition
 
 
 def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> None:
@@ -217,6 +225,8 @@ def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> No
         result.counted = {kind: nbytes / steps for kind, nbytes in ranks[0]["counted"].items()}
     result.peak_rss = max(result.peak_rss, *(r["peak_rss"] for r in ranks))
     result.losses = result.losses or ranks[0]["losses"]
+    if "_compile" in result.method:
+        result.dynamo = ranks[0]["dynamo"]
 
 
 def _failure_reason(error: BaseException) -> str:
@@ -341,6 +351,8 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         "|" + "---|" * len(header),
         *(_row(result, ddp_ms, floor_ms, psi, options.world_size) for result in results),
         "",
+        *compile_table(results, ddp_ms),
+        "",
         *_details(results, psi),
         "",
         MEASUREMENT_NOTES,
@@ -355,7 +367,9 @@ def parse_args(argv: list[str]) -> BenchOptions:
     parser.add_argument("--reps", type=int, default=defaults.reps, help="repetitions (methods interleaved)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per repetition and method")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps before them (>= 1)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
+    )
     parser.add_argument("--world-size", type=int, default=defaults.world_size, help="number of CPU ranks")
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default: preset's)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: preset's)")

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core import gradients
+from zero_strategy.core.compile_check import warn_compiled_around_units
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.hybrid import adopt_first_replica
@@ -154,6 +155,8 @@ class ZeroEngine:
         owner = param_group_index(self.optimizers)
         unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
         plans = plan_units(module, unit_paths)
+        if self.stage.reshards_parameters:  # stages 1/2 gather nothing during forward: nothing breaks a graph
+            warn_compiled_around_units(module, unit_paths)
         device = meta_to or next((p.device for p in module.parameters()), torch.device("cpu"))
         self.placement = make_placement(config, device, plans, self.ctx.rank)
         model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks

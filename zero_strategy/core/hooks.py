@@ -44,6 +44,21 @@ do not gather would wait forever, see [Note: diverging gathers] in gather_watch.
 A ``ModuleList``/``ModuleDict`` made one unit (all experts of a mixture-of-experts layer, so that their gathers
 and reductions are one exchange whichever experts a rank routes to) has no forward of its own: its hooks go on
 its children, so calling any child gathers the whole unit and each child's outputs gather it again for backward.
+
+[Note: torch.compile]
+The hooks are never traced by dynamo (``torch.compiler.disable``); they always run eagerly, between graphs.
+A gather is a collective that resizes and fills a storage in place, which dynamo cannot put in a graph; traced,
+our hooks broke the graph at every collective and at ``in_backward()``, and dynamo guarded on their Python state
+(the recorded orders, a unit's state), so it compiled again each time that state moved over the first steps
+(zero3, three compiled blocks: 21 frames compiled in the first step and 8 more in the next two, against 1 in all
+with the hooks disabled; tests/distributed/test_compile.py). Disabled, they cost nothing where the compiled code
+is a unit's own forward (``block.compile()`` or ``torch.compile(block)``: the hooks sit outside the compiled
+call, one graph serves every identical block), and one graph break per unit called from inside a compiled
+stage-3 forward (``torch.compile(whole_model)``; where the units are called in a loop dynamo gives that frame up
+to eager and compiles each unit's forward on its own; with ``fullgraph=True`` dynamo's error quotes the reason
+given below). The compiled code reads the parameters as graph inputs, which keep their tensor objects, shapes
+and strides while their storage is freed and refilled, so guards hold and nothing recompiles; tensors a compiled
+forward saves for backward are views of the same storage and see the gathered values again, as in eager mode.
 """
 
 from __future__ import annotations
@@ -67,6 +82,12 @@ PREFETCH_DEPTH = 1
 fires just before its first child unit computes), but the 30 M benchmark's step time did not move (1.03x vs 1.04x
 DDP, within noise: on 2 cores the bytes cost CPU whether or not a rank waits for them), so the memory bound wins:
 at most the computing unit and the next one are whole."""
+
+
+_not_traced = torch.compiler.disable(
+    reason="ZeRO gathers or frees a unit's parameters here (a collective that cannot be traced): compile each "
+    "unit's module (block.compile()) instead of a whole stage-3 model with fullgraph=True"
+)
 
 
 def in_backward() -> bool:
@@ -149,10 +170,12 @@ class RuntimeHooks:
         self._handles.clear()
 
     # --------------------------------------------------------------------------------------------- forward
+    @_not_traced  # see [Note: torch.compile]
     def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.on_root_forward()
 
+    @_not_traced  # see [Note: torch.compile]
     def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward() or not self.stage.reshards_parameters:
             return
@@ -163,6 +186,7 @@ class RuntimeHooks:
             if first is not None:
                 first.start_unshard()
 
+    @_not_traced  # see [Note: torch.compile]
     def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
         if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
             unit.unshard()
@@ -175,6 +199,7 @@ class RuntimeHooks:
         elif self.prefetch:
             self._prefetch(self.forward_order, unit, step=1)
 
+    @_not_traced  # see [Note: torch.compile]
     def _post_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
@@ -200,6 +225,7 @@ class RuntimeHooks:
                 order[index + distance * step].start_unshard()
 
     # -------------------------------------------------------------------------------------------- backward
+    @_not_traced  # see [Note: torch.compile]
     def _pre_backward(self, unit: ZeroUnit, grad: Tensor) -> None:
         self._queue_final_callback()
         if unit.state is TrainingState.BACKWARD:
