@@ -1,6 +1,6 @@
 """Deferred initialization: build a model on the meta device, then replay its initialization one value at a time.
 
-Design (issue 15, "sharded construction"):
+Design ("sharded construction"):
 
 * Recording (`record_construction`): construction runs with tensors defaulting to the meta device while a
   `TorchDispatchMode` writes down every aten op that touches a meta tensor. A tensor is described by its storage

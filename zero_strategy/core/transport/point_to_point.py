@@ -6,7 +6,7 @@ gloo's ``reduce_scatter_tensor`` runs a full all-reduce and then copies one slic
 each peer exactly the 1/N chunk that peer owns (reduce-scatter) or its own chunk (all-gather): (N-1)/N of the
 buffer leaves each rank, the same as a ring, and every send and receive is posted at once, so the whole exchange is
 asynchronous (gloo's I/O thread moves the bytes while the caller computes). Measured on this project's 2-core CI
-machine (torch 2.13, loopback, fp32, median of 7 runs of each; the script is described in issue 7's notes):
+machine (torch 2.13, loopback, fp32, median of 7 runs of each, timed by a one-off script that is not kept):
 
     buffer, ranks      all_reduce  reduce_scatter_tensor  all_gather_into_tensor  p2p reduce-scatter  p2p all-gather
     21 MiB, 2 ranks    21.1 ms     36.6 ms                21.0 ms                 12.9 ms             10.5 ms
