@@ -99,3 +99,11 @@ def train_and_save(rank: int, world: int, stage: int, steps: int, path: str, see
     train_steps(model, optimizer, engine, batches)
     save_sharded(engine, path, trainer_state(steps), INFO)
     return full_state(model, engine)
+
+
+def ranks_close(results: list[dict[str, Tensor]], final: dict[str, Tensor], what: str) -> None:
+    """Every rank's state within 1e-5 (relative to each tensor's largest value) of ``final``."""
+    for rank, got in enumerate(results):
+        for key, ref in final.items():
+            err = ((got[key] - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 1e-5, f"{what} rank {rank}: {key} off by {err:.2e} (relative)"
