@@ -52,7 +52,7 @@ class CompiledLM(pl.LightningModule):
         return lm_loss(self.net, tokens)
 
     def on_fit_end(self) -> None:
-        # after the strategy's teardown: the module holds full parameters again (see helpers/lit_meta.py)
+        # after the strategy's teardown: full parameters again (the test asks for them: full_params_after_fit=True)
         state = {k.replace("_orig_mod.", ""): v.detach().clone() for k, v in self.state_dict().items()}
         report = {**dynamo_report(), "frames_before_step": self.frames_before_step}
         torch.save({"state": state, "dynamo": report}, Path(self.out_dir) / f"compiled_rank{self.global_rank}.pt")

@@ -14,7 +14,7 @@ from helpers.lit import LR, N_TRAIN, IndexedTokens, train_loader, trainer_kwargs
 from helpers.lit_compile import CompiledLM
 from helpers.models import TiedLM, assert_state_close, lm_loss
 
-import zero_strategy  # noqa: F401  (registers "zero3_spawn")
+from zero_strategy import ZeroStrategy
 
 STEPS = 4
 GLOBAL_BATCH = 8  # 2 ranks x train_loader()'s batch of 4
@@ -42,7 +42,9 @@ def test_compiled_in_configure_model_trains_under_zero3(tmp_path: Path, monkeypa
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the spawned ranks inherit it: no compile pool
     pl.seed_everything(SEED, verbose=False)
     kwargs = trainer_kwargs(max_steps=STEPS, max_epochs=1, accumulate_grad_batches=1, gradient_clip_val=None)
-    trainer = pl.Trainer(strategy="zero3_spawn", **kwargs)
+    # built sharded at stage 3, the model would stay sharded after fit; on_fit_end reads full weights, so ask for them
+    strategy = ZeroStrategy(stage=3, start_method="spawn", full_params_after_fit=True)
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
     trainer.fit(CompiledLM(str(tmp_path), how="whole"), train_loader())
     ranks = [torch.load(tmp_path / f"compiled_rank{r}.pt", weights_only=True) for r in range(2)]
     reference = _single_process_reference()
