@@ -7,7 +7,7 @@ One GPT family (``benchmarks/bench_model.py``'s model, width = 64 × layers, voc
 CPUs, batch 1 × 16 tokens. Methods: ``ddp`` (eager build), ``fsdp2`` (``fully_shard`` per block and the root on a
 meta-device model, then ``to_empty`` + ``reset_parameters``), ``zero3`` and ``zero3_offload_nvme`` (built under
 ``record_construction`` and materialized by the engine, nvme files under a temporary directory). DeepSpeed ZeRO-3
-with ``zero.Init`` is listed as skipped when DeepSpeed is not installed (it is no dependency of this package).
+with ``zero.Init`` is listed as skipped: not installed, or (where it is) not implemented here yet.
 
 [Note: what the benchmark measures]
 Each (size, method) runs in a fresh interpreter (a forked child of a long-lived process would inherit its heap)
