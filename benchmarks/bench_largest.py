@@ -7,7 +7,7 @@ One GPT family (``benchmarks/bench_model.py``'s model, width = 64 × layers, voc
 CPUs, batch 1 × 16 tokens. Methods: ``ddp`` (eager build), ``fsdp2`` (``fully_shard`` per block and the root on a
 meta-device model, then ``to_empty`` + ``reset_parameters``), ``zero3`` and ``zero3_offload_nvme`` (built under
 ``record_construction`` and materialized by the engine, nvme files under a temporary directory). DeepSpeed ZeRO-3
-with ``zero.Init`` is listed as skipped: not installed, or (where it is) not implemented here yet.
+with ``zero.Init`` runs where DeepSpeed is installed (``DS_ACCELERATOR=cpu``), else it is listed as skipped.
 
 [Note: what the benchmark measures]
 Each (size, method) runs in a fresh interpreter (a forked child of a long-lived process would inherit its heap)
@@ -77,6 +77,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     step: Callable[[], None]
     engine: Any = None
+    backward: Callable[[torch.Tensor], None] | None = None  # DeepSpeed's engine.backward; None: loss.backward()
 
 
 def _build_ddp(shape: ModelShape, nvme_dir: str) -> Built:
@@ -124,11 +125,29 @@ def _build_zero(shape: ModelShape, nvme_dir: str, nvme: bool) -> Built:
     return Built(model, optimizer, lambda: engine.optimizer_step(optimizer), engine)
 
 
+def _build_deepspeed_zero3(shape: ModelShape, nvme_dir: str) -> Built:
+    """DeepSpeed ZeRO-3 with the model built under ``zero.Init`` (each rank allocates only its partition), on the
+    CPU accelerator and the gloo group ``run_ranks`` set up (see benchmarks/bench_deepspeed.py)."""
+    from benchmarks.bench_deepspeed import _import_deepspeed, _set_launcher_environment, deepspeed_config
+
+    _set_launcher_environment()
+    deepspeed = _import_deepspeed()
+    with torch.device("meta"):
+        psi = parameter_count(BenchGPT(shape))
+    config = deepspeed_config(3, BATCH, psi)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = BenchGPT(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return Built(engine, zero_optimizer, engine.step, backward=engine.backward)
+
+
 BUILDERS: dict[str, Callable[[ModelShape, str], Built]] = {
     "ddp": _build_ddp,
     "fsdp2": _build_fsdp2,
     "zero3": lambda shape, nvme_dir: _build_zero(shape, nvme_dir, False),
     "zero3_offload_nvme": lambda shape, nvme_dir: _build_zero(shape, nvme_dir, True),
+    "deepspeed_zero3": _build_deepspeed_zero3,
 }
 
 
@@ -157,7 +176,8 @@ def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str, st
     for tokens in batches:
         start = time.perf_counter()
         built.optimizer.zero_grad(set_to_none=True)
-        lm_loss(built.model, tokens).backward()
+        loss = lm_loss(built.model, tokens)
+        built.backward(loss) if built.backward is not None else loss.backward()
         built.step()
         times.append(time.perf_counter() - start)
     result = {**setup, "train_peak": _vm("VmHWM") - baseline, "step_s": times[-1], "disk": 0}
@@ -216,9 +236,8 @@ def measure(sizes: Sequence[str], methods: Sequence[str], reps: int, timeout_s: 
         params = params_of(size)
         for method in methods:
             row = Row(size, method, params)
-            if method == "deepspeed_zero3":
-                row.skipped = "DeepSpeed is not installed" if importlib.util.find_spec("deepspeed") is None else (
-                    "not implemented here: see benchmarks/bench_deepspeed.py")
+            if method == "deepspeed_zero3" and importlib.util.find_spec("deepspeed") is None:
+                row.skipped = "DeepSpeed is not installed"
                 rows.append(row)
                 continue
             for _ in range(reps):
