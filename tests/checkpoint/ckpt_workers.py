@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from torch import Tensor, nn
 
@@ -28,20 +29,22 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def build(
-    stage: int, opt_name: str = "adamw", **model_kwargs: int
+    stage: int, opt_name: str = "adamw", layout: dict[str, Any] | None = None, **model_kwargs: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, ZeroEngine]:
+    """``layout``: further ZeroConfig settings (``shard_group_size``, ``hierarchical_params``)."""
     model = make_model(**model_kwargs)
     optimizer = make_optimizer(opt_name, model.parameters())
     # a low unit threshold: several units, so parameters are spread over several FlatParams and ranks
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, min_unit_numel=64))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, min_unit_numel=64, **(layout or {})))
     return model, optimizer, engine
 
 
 def train_steps(
     model: nn.Module, optimizer: torch.optim.Optimizer, engine: ZeroEngine, batches: list[list[Tensor]]
 ) -> None:
-    """One optimizer step per entry of ``batches``, each rank on its slice of the global batch."""
-    rank, world = engine.ctx.rank, engine.ctx.world_size
+    """One optimizer step per entry of ``batches``, each rank on its slice of the global batch (split over every
+    rank of the run, replicas of hybrid sharding included)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     for micro in batches:
         optimizer.zero_grad()
         for tokens in micro:
@@ -71,10 +74,11 @@ def load_into(engine: ZeroEngine, path: str | Path, with_optimizer: bool = True)
 
 
 def save_then_train(
-    rank: int, world: int, stage: int, opt_name: str, steps: int, save_at: int, path: str
-) -> dict[str, Tensor]:
+    rank: int, world: int, stage: int, opt_name: str, steps: int, save_at: int, path: str,
+    layout: dict[str, Any] | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
     """Train ``steps`` steps, saving a checkpoint after ``save_at`` of them; return the final full state."""
-    model, optimizer, engine = build(stage, opt_name)
+    model, optimizer, engine = build(stage, opt_name, layout)
     batches = make_batches(steps, 1, GLOBAL_BATCH)
     train_steps(model, optimizer, engine, batches[:save_at])
     save_sharded(engine, path, trainer_state(save_at), INFO)
@@ -83,10 +87,11 @@ def save_then_train(
 
 
 def resume_then_train(
-    rank: int, world: int, stage: int, opt_name: str, steps: int, save_at: int, path: str
-) -> dict[str, Tensor]:
+    rank: int, world: int, stage: int, opt_name: str, steps: int, save_at: int, path: str,
+    layout: dict[str, Any] | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
     """Load the checkpoint written by :func:`save_then_train` (any layout) and train the remaining steps."""
-    model, optimizer, engine = build(stage, opt_name)
+    model, optimizer, engine = build(stage, opt_name, layout)
     load_into(engine, path)
     train_steps(model, optimizer, engine, make_batches(steps, 1, GLOBAL_BATCH)[save_at:])
     return full_state(model, engine)

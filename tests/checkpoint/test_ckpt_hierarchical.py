@@ -5,52 +5,27 @@ the resumed engine gathered the secondary copies it built before the load instea
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from ckpt_workers import (
-    GLOBAL_BATCH,
-    INFO,
-    full_state,
-    load_into,
-    make_optimizer,
-    ranks_close,
-    train_steps,
-    trainer_state,
-)
-from helpers.models import make_batches, make_model
+from ckpt_workers import GLOBAL_BATCH, build, full_state, load_into, ranks_close, save_then_train, train_steps
+from helpers.models import make_batches
 from torch import Tensor
 
-from zero_strategy.checkpoint.save import save_sharded
-from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS, SAVE_AT = 5, 2
 
 
-def _engine(world: int, hierarchical: str | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, ZeroEngine]:
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # 4 ranks: two "nodes" of two, as torchrun --nnodes=2 sets it
-    model = make_model()
-    optimizer = make_optimizer("sgd", model.parameters())
-    config = ZeroConfig(stage=3, min_unit_numel=64, hierarchical_params=hierarchical)
-    engine = ZeroEngine(model, [optimizer], config)
+def _engine(hierarchical: str | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, ZeroEngine]:
+    model, optimizer, engine = build(3, "sgd", {"hierarchical_params": hierarchical})
     assert (engine.ctx.param_group is not None) == (hierarchical is not None)
     return model, optimizer, engine
 
 
-def save_then_train(rank: int, world: int, hierarchical: str | None, path: str) -> dict[str, Tensor]:
-    model, optimizer, engine = _engine(world, hierarchical)
-    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
-    train_steps(model, optimizer, engine, batches[:SAVE_AT])
-    save_sharded(engine, path, trainer_state(SAVE_AT), INFO)
-    train_steps(model, optimizer, engine, batches[SAVE_AT:])
-    return full_state(model, engine)
-
-
 def resume_then_train(rank: int, world: int, hierarchical: str | None, path: str) -> dict[str, Tensor]:
-    model, optimizer, engine = _engine(world, hierarchical)
+    """Load into an engine whose secondary copies are fresh (hierarchical) and train the remaining steps."""
+    model, optimizer, engine = _engine(hierarchical)
     batches = make_batches(STEPS, 1, GLOBAL_BATCH, seed=7)
     train_steps(model, optimizer, engine, batches[:1])  # other values first, then a gather: the secondary copies
     full_state(model, engine)  # are fresh when the load replaces the shards under them
@@ -60,9 +35,11 @@ def resume_then_train(rank: int, world: int, hierarchical: str | None, path: str
 
 
 @pytest.mark.timeout(90)
-def test_hierarchical_checkpoint_resumes_flat_and_back(tmp_path):
+def test_hierarchical_checkpoint_resumes_flat_and_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 ranks: two "nodes" of two, as torchrun --nnodes=2 sets it
     hier_ckpt, flat_ckpt = tmp_path / "hierarchical", tmp_path / "flat"
-    final = run_ranks(save_then_train, 4, "node", str(hier_ckpt), timeout_s=60)[0]
+    node = {"hierarchical_params": "node"}
+    final = run_ranks(save_then_train, 4, 3, "sgd", STEPS, SAVE_AT, str(hier_ckpt), node, timeout_s=60)[0]
     ranks_close(run_ranks(resume_then_train, 2, None, str(hier_ckpt), timeout_s=60), final, "hierarchical→flat 2")
-    flat_final = run_ranks(save_then_train, 2, None, str(flat_ckpt), timeout_s=60)[0]
+    flat_final = run_ranks(save_then_train, 2, 3, "sgd", STEPS, SAVE_AT, str(flat_ckpt), timeout_s=60)[0]
     ranks_close(run_ranks(resume_then_train, 4, "node", str(flat_ckpt), timeout_s=60), flat_final, "flat→hier 4")

@@ -117,7 +117,6 @@ class ZeroEngine:
             check_optimizer(optimizer, config.allow_untested_optimizer)
         materialize_on = check_materializable(module, initial_values)
         self.built_sharded = materialize_on is not None  # no rank held the whole model: see core/release.py
-        self.released_sharded = False
         # planned while the tensors are still meta: building the FlatParams gives them storage
         recording = initial_values.recording if initial_values is not None else None
         replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
@@ -428,5 +427,4 @@ class ZeroEngine:
         if self.placement is not None and self.placement.store is not None:
             # the files are unlinked; their mappings (a sharded release's slices, the optimizer state) stay valid
             self.placement.store.close()
-        self.released_sharded = not full
         return full

@@ -12,7 +12,7 @@ assignment gives each parameter its own version counter, so the in-place all-gat
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -104,7 +104,7 @@ class FlatParam:
         self._streams = options.streams
         # offload on a GPU: reduced slices on their way to pinned host buffers, and the event after which they are
         # there (see [Note: streams for gathers and reductions])
-        self._host_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._host_grads: list[tuple[nn.Parameter, int, Tensor]] = []
         self._host_grads_keep: list[Tensor] = []  # the device slices those copies read
         self._host_grads_ready: object | None = None
         self._build_buffers(options)
@@ -392,23 +392,29 @@ class FlatParam:
         if self._pending_reduce is None:
             return
         reduced, self._pending_reduce = self._pending_reduce.wait(), None
+        replicas = self.ctx.replicas
+        self.replica_average_pending = replicas is not None and replicas.count > 1 and bool(self.master_pieces)
         if self._streams is not None and self._streams.enabled and reduced.is_cuda and self.shard.device.type == "cpu":
             self._start_host_grads(reduced, self._streams)
             return
-        for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
-            chunk = reduced[offset : offset + piece.numel()]
-            if piece.grad is None and self._grad_file is not None:  # see [Note: gradient slices in files]
+        self._accumulate(
+            (piece, offset, reduced[offset : offset + piece.numel()])
+            for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True)
+        )
+
+    def _accumulate(self, slices: Iterable[tuple[nn.Parameter, int, Tensor]]) -> None:
+        """Add each (master piece, its offset in the shard, reduced values) to the piece's gradient, creating it
+        on the first reduction of a step."""
+        for piece, offset, values in slices:
+            if piece.grad is not None:
+                piece.grad.add_(values.to(piece.device))
+            elif self._grad_file is not None:  # see [Note: gradient slices in files]
                 piece.grad = self._grad_file[offset : offset + piece.numel()]
-                piece.grad.copy_(chunk)
-            elif piece.grad is None:
-                # `reduced` is ours alone and its pieces are disjoint, so a matching slice is used without a copy.
-                piece.grad = chunk.to(device=piece.device, dtype=piece.dtype)
-            else:
-                piece.grad.add_(chunk.to(piece.device))
+                piece.grad.copy_(values)
+            else:  # the reduced slice is ours alone and its pieces are disjoint: used without a copy
+                piece.grad = values.to(device=piece.device, dtype=piece.dtype)
         if self._grad_file is not None and self.placement is not None:
             self.placement.after_host_read()  # the slice is in the file: its pages leave this process
-        replicas = self.ctx.replicas
-        self.replica_average_pending = replicas is not None and replicas.count > 1 and bool(self.master_pieces)
 
     def average_over_replicas(self) -> None:
         """Hybrid sharding: average the gradient slice accumulated since the last step over the replica group, once
@@ -434,7 +440,7 @@ class FlatParam:
         host, self._host_grads_ready = streams.copy_to_host(reduced, self.shard.dtype)
         self._host_grads_keep = [reduced]
         for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
-            self._host_grads.append((piece, host[offset : offset + piece.numel()]))
+            self._host_grads.append((piece, offset, host[offset : offset + piece.numel()]))
 
     def settle_host_grads(self) -> None:
         """Wait for the copies :meth:`_start_host_grads` started and accumulate them (the host reads them next: the
@@ -443,8 +449,7 @@ class FlatParam:
         if self._host_grads_ready is None:
             return
         self._host_grads_ready.synchronize()  # type: ignore[attr-defined]
-        for piece, host in self._host_grads:
-            piece.grad = host if piece.grad is None else piece.grad.add_(host)
+        self._accumulate(self._host_grads)
         self._host_grads, self._host_grads_keep, self._host_grads_ready = [], [], None
 
     def _flatten_grads(self, dtype: torch.dtype) -> Tensor:

@@ -81,12 +81,14 @@ def take_back_released(
     model existed, ``configure_model`` returned early) is dropped."""
     if released is None:
         return values
-    plan = ReleasedShards(released.flat_params, released.ctx.rank).plan_for(module)
+    plan: dict[str, tuple[WeightsReader, str]] = dict(
+        ReleasedShards(released.flat_params, released.ctx.rank).plan_for(module)
+    )
     if not plan:
         return values
     recording = values.recording if values.recording is not None and values.recording.ops else None
     if values.pretrained is not None:
-        plan.update(values.pretrained.plan)  # type: ignore[arg-type]
+        plan.update(values.pretrained.plan)
     return replace(values, recording=recording, pretrained=Pretrained(plan), device=values.device or device)
 
 
