@@ -51,9 +51,10 @@ class ZeroConfig:
 
     collectives: str = "auto"
     """How all-gathers and reduce-scatters run: "native" (the backend's own collectives), "point_to_point" (each
-    rank exchanges its chunks with every peer directly), "shared_memory" (stage 3 with every rank on one host's
-    CPU: parameter shards live in /dev/shm and a gather is a copy; reductions point-to-point) or "auto": on gloo,
-    shared memory where it applies and point-to-point otherwise (both measured faster than gloo's own
+    rank exchanges its chunks with every peer directly), "shared_memory" (every rank on one host's CPU: stage 3's
+    parameter shards live in /dev/shm and a gather is a copy; on x86-64 gradients are reduced, and stages 1/2
+    gather their updated slices, through buffers in /dev/shm too; not for stage 3 with offload) or "auto": on
+    gloo, shared memory where it applies and point-to-point otherwise (both measured faster than gloo's own
     collectives), native elsewhere (NCCL's collectives are already optimal)."""
 
     broadcast_buffers: bool = True
@@ -147,10 +148,10 @@ class ZeroConfig:
             )
         self._validate_offload()
         offloaded = self.offload_optimizer is not OffloadDevice.none
-        if self.collectives == "shared_memory" and (not self.zero_stage.reshards_parameters or offloaded):
+        if self.collectives == "shared_memory" and self.zero_stage.reshards_parameters and offloaded:
             raise ZeroConfigError(
-                'collectives="shared_memory" applies to stage 3 without offload only (shared memory holds the '
-                'parameter shards that stage 3 gathers); use "auto" or "point_to_point".'
+                'collectives="shared_memory" does not apply to stage 3 with offload (its shards are offloaded, so '
+                'its gathers and therefore its reductions go through the network); use "auto" or "point_to_point".'
             )
         if self.pretrained is not None and not os.path.exists(self.pretrained):
             raise ZeroConfigError(f"pretrained={self.pretrained!r} does not exist; give the path of the weights file "

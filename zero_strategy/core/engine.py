@@ -55,6 +55,7 @@ from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.transport.choice import (
     Transport,
     choose_gather_watch,
+    choose_shared_exchange,
     choose_shared_shards,
     dist_context,
     rank_layout,
@@ -124,9 +125,11 @@ class ZeroEngine:
         adopt_first_replica(self.flat_params, self.ctx, self.comm_log)  # replicas start from global rank 0
         self.watch = choose_gather_watch(self.ctx, self.stage.reshards_parameters, self.shared)
         self.transport = Transport(self.ctx, self.comm_log, self.shared, self.watch)
+        trainable = [flat.reduce_bytes for flat in self.flat_params if flat.trainable]
+        self.exchange = choose_shared_exchange(self.ctx, config, self._device, self.watch, trainable)
         for unit in self.units:
             for flat in unit.flat_params:
-                flat.label, flat.watch = unit.name or "<root>", self.watch
+                flat.label, flat.watch, flat.exchange = unit.name or "<root>", self.watch, self.exchange
         self.replay_stats = replay_construction(module, self.flat_params, replay, self.transport) if replay else None
         if initial_values is not None and initial_values.pretrained is not None:
             load_pretrained(module, self.flat_params, initial_values.pretrained, self.ctx.rank)
@@ -157,6 +160,7 @@ class ZeroEngine:
         if self.stage.reshards_parameters:  # stages 1/2 gather nothing during forward: nothing breaks a graph
             warn_compiled_around_units(module, unit_paths)
         device = meta_to or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._device = device
         self.placement = make_placement(config, device, plans, self.ctx.rank)
         model_bytes = sum(p.numel() * p.element_size() for plan in plans for _, p in plan.named_params)  # all ranks
         self.shared = choose_shared_shards(self.ctx, config, self.placement is not None, device, model_bytes)
@@ -417,7 +421,9 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
             remove_fused_steps(optimizer)
+        self.exchange = None  # its arenas are freed with the last reference
         for flat in self.flat_params:
+            flat.exchange = None
             for param in flat.params:
                 param.grad = None
             if full:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice
+from zero_strategy.core.flat_grads import flatten_grads
 from zero_strategy.core.hierarchical import SecondaryCopy
 from zero_strategy.core.layout import FlatLayout, group_ranges
 from zero_strategy.core.offload import Placement
@@ -34,6 +35,7 @@ from zero_strategy.core.transport.collectives import (
     start_reduce_scatter_mean,
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
+from zero_strategy.core.transport.shared_exchange import SharedExchange, SharedExchangeOp
 from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
 from zero_strategy.core.transport.streams import CollectiveStreams, copy_host_to_device, host_to_device
 
@@ -72,6 +74,7 @@ class FlatParam:
     piece_offset: list[int]  # for each master piece, where it starts inside `shard`
     label: str = ""  # the unit this FlatParam belongs to, for messages
     watch: GatherWatch | None = None  # stage 3, network gathers: see [Note: diverging gathers]
+    exchange: SharedExchange | None = None  # one host's CPU ranks: see [Note: shared-memory reductions]
     secondary: SecondaryCopy | None  # hierarchical stage 3: this rank's 1/K of `full`, see core/hierarchical.py
 
     def __init__(
@@ -95,7 +98,7 @@ class FlatParam:
         self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named_params], ctx.world_size)
         self.state = ShardState.UNSHARDED
         self._pending: PendingGather | None = None
-        self._pending_reduce: PendingReduce | None = None
+        self._pending_reduce: PendingReduce | SharedExchangeOp | None = None
         self.grad_stash: Tensor | None = None  # stage 1 + low precision: fp32 full gradients between steps
         self.grad_seen = [False] * len(self.params)  # which parameters produced a gradient since the last step
         self.reduce_dtype = options.reduce_dtype
@@ -303,11 +306,17 @@ class FlatParam:
     def start_refresh_full_from_shards(self) -> Callable[[], None]:
         """Start :meth:`refresh_full_from_shards`'s gather; call the returned function to wait for it."""
         assert self.state is ShardState.UNSHARDED
-        # The gather must not read from the buffer it writes: copy the shard when it is a view of `full`.
-        source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
-        pending = all_gather_flat(
-            self.full, source, self.ctx.group, self.log, True, self.ctx.point_to_point, streams=self._streams
-        )
+        exchange, full = self.exchange, self.full
+        pending: PendingGather | SharedExchangeOp
+        if exchange is not None and exchange.fits(full.numel() * full.element_size()):  # one host's CPU ranks
+            buffer = exchange.next_buffer(full.numel(), full.dtype)
+            buffer.chunk(self.ctx.world_size)[self.ctx.rank].copy_(self.shard)
+            pending = exchange.start_gather(buffer, full, self.log, self.label, self.shard_aliases_full)
+        else:  # the gather must not read from the buffer it writes: copy the shard when it is a view of `full`
+            source = self.shard.clone() if self.shard_aliases_full else self._gather_source()
+            pending = all_gather_flat(
+                full, source, self.ctx.group, self.log, True, self.ctx.point_to_point, streams=self._streams
+            )
 
         def finish() -> None:
             pending.wait()
@@ -333,6 +342,12 @@ class FlatParam:
             copy_host_to_device(self._device_source, self.shard)
 
     # ------------------------------------------------------------------------------------------ gradients
+    @property
+    def reduce_bytes(self) -> int:
+        """Size of this FlatParam's flattened gradient, the input of each of its reductions."""
+        dtype = self.reduce_dtype or self.full.dtype
+        return self.layout.padded_numel * torch.empty((), dtype=dtype).element_size()
+
     def has_pending_grads(self) -> bool:
         return self.trainable and (self.grad_stash is not None or any(p.grad is not None for p in self.params))
 
@@ -378,9 +393,14 @@ class FlatParam:
         if not (self.has_pending_grads() or (force and self.trainable)):
             return
         self.finish_reduce()
-        flat = self._flatten_grads(self.reduce_dtype or self.full.dtype)
+        dtype = self.reduce_dtype or self.full.dtype
+        exchange = self.exchange
+        if exchange is not None and exchange.fits(self.reduce_bytes):  # see [Note: shared-memory reductions]
+            arena = exchange.next_buffer(self.layout.padded_numel, dtype)
+            self._pending_reduce = exchange.start_reduce(flatten_grads(self, dtype, arena), self.log, self.label)
+            return
         self._pending_reduce = start_reduce_scatter_mean(
-            flat, self.ctx.group, self.log, self.ctx.point_to_point, self._streams
+            flatten_grads(self, dtype), self.ctx.group, self.log, self.ctx.point_to_point, self._streams
         )
         watch = self.watch
         if watch is not None:
@@ -451,26 +471,6 @@ class FlatParam:
         self._host_grads_ready.synchronize()  # type: ignore[attr-defined]
         self._accumulate(self._host_grads)
         self._host_grads, self._host_grads_keep, self._host_grads_ready = [], [], None
-
-    def _flatten_grads(self, dtype: torch.dtype) -> Tensor:
-        """The module's gradients laid out like ``full`` (zeros where a parameter has none, and in the padding)."""
-        if self.grad_stash is not None:
-            flat, self.grad_stash = self.grad_stash.to(dtype), None
-            add = True
-        else:
-            # empty + copy rather than zeros + add: one pass over the memory instead of two
-            flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.full.device)
-            flat[self.layout.numel :].zero_()
-            add = False
-        for index, (span, param) in enumerate(zip(self.layout.spans, self.params, strict=True)):
-            target = flat[span.offset : span.end]
-            if param.grad is not None:
-                target.add_(param.grad.reshape(-1)) if add else target.copy_(param.grad.reshape(-1))
-                param.grad = None
-                self.grad_seen[index] = True
-            elif not add:
-                target.zero_()
-        return flat
 
     def note_local_use(self) -> None:
         """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""

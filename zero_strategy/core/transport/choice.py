@@ -22,6 +22,7 @@ from zero_strategy.core.transport.collectives import (
     prefers_point_to_point,
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
+from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES, SharedExchange, spin_sync_is_sound
 from zero_strategy.core.transport.shared_shards import SharedShards
 from zero_strategy.core.transport.topology import ParamGroup, RankLayout, Replicas, Topology, build_rank_layout
 
@@ -140,6 +141,45 @@ def choose_gather_watch(ctx: DistContext, reshards: bool, shared: SharedShards |
     members = dist.get_process_group_ranks(ctx.group or dist.group.WORLD)  # groups share one store
     key = f"{next(_watch_numbers)}/{'-'.join(map(str, members))}"
     return GatherWatch(ctx.group, ctx.rank, ctx.world_size, key)
+
+
+def choose_shared_exchange(
+    ctx: DistContext, config: ZeroConfig, device: torch.device, watch: GatherWatch | None, flat_bytes: list[int]
+) -> SharedExchange | None:
+    """Shared-memory gradient reductions (see [Note: shared-memory reductions] in shared_exchange.py) where they
+    apply: "auto" on gloo or "shared_memory", every rank of the shard group on this host's CPU, an x86-64
+    processor, and no network gathers at stage 3 (``watch``). ``flat_bytes``: each trainable FlatParam's flattened
+    gradient in bytes (the arenas fit the largest one under the cap). Collective."""
+    choice = config.collectives
+    wanted = choice == "shared_memory" or (choice == "auto" and prefers_point_to_point(ctx.group))
+    fitting = [nbytes for nbytes in flat_bytes if nbytes <= ARENA_CAP_BYTES]
+    if not wanted or ctx.world_size == 1 or watch is not None or not fitting:
+        return None
+    explicit = choice == "shared_memory" and not config.zero_stage.reshards_parameters  # nothing else is shared
+    arena_bytes = max(fitting)
+    reason = f"/dev/shm has no room for {2 * arena_bytes * ctx.world_size / 2**20:.0f} MiB of reduction buffers"
+    if not ctx.one_node or not spin_sync_is_sound():
+        if explicit:
+            why = ("its ranks are not all on one node" if not ctx.one_node else
+                   "this processor is not x86-64, whose store ordering the shared reduction counters rely on")
+            raise ZeroConfigError(f'collectives="shared_memory" at stage {config.stage}: {why}; use "auto" or '
+                                  '"point_to_point".')
+        return None
+    if SharedExchange.usable(ctx.group, device, arena_bytes, ctx.world_size):
+        exchange = SharedExchange(
+            ctx.group, ctx.rank, ctx.world_size, ctx.src_rank, arena_bytes, config.process_group_timeout_s
+        )
+        if exchange.connect():  # agreed by every rank
+            return exchange
+        reason = exchange.failure or "a rank could not map a peer's buffers"
+    if explicit:
+        raise ZeroConfigError(
+            f'collectives="shared_memory": {reason}. It needs every rank on one host, computing on its CPU; free or '
+            'enlarge /dev/shm (docker run --shm-size=...), or use "auto" or "point_to_point".'
+        )
+    warnings.warn(f"ZeRO: shared-memory gradient reductions unavailable ({reason}); reducing point-to-point.",
+                  stacklevel=3)
+    return None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,117 @@
+"""Shared-memory reductions (and stages 1/2's shared-memory gathers): bit-identical to the point-to-point path at
+every stage, with accumulation, low-precision reduction and FlatParams too large for the arenas; the same bytes in
+the log; a missing or dead peer is an error that names the unit, not a hang."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from helpers.models import lm_loss, make_batches, make_model, rank_slice
+
+from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.transport import shared_exchange
+from zero_strategy.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(not shared_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")
+
+
+def train_worker(rank, world_size, stage, collectives, accum, bf16, arena_cap):
+    if arena_cap is not None:  # FlatParams above the cap reduce point-to-point, the others through shared memory
+        shared_exchange.ARENA_CAP_BYTES = arena_cap
+        import zero_strategy.core.transport.choice as choice
+
+        choice.ARENA_CAP_BYTES = arena_cap
+    model = make_model(n_blocks=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives=collectives), policy=policy)
+    exchange = engine.exchange
+    through_shared = [exchange is not None and exchange.fits(flat.reduce_bytes) for flat in engine.flat_params]
+    if rank == 1:  # a lagging rank: peers reach every exchange before it has written its part
+        for block in model.blocks:
+            block.register_full_backward_hook(lambda *args: time.sleep(0.02))
+    bytes_per_step = []
+    for micro_batches in make_batches(3, accum, 8):
+        engine.comm_log.reset()
+        optimizer.zero_grad()
+        for tokens in micro_batches:
+            lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+        with engine.step_window(optimizer):
+            if rank == 1:  # and late to step: peers must not gather its slice before it is new
+                time.sleep(0.02)
+            optimizer.step()
+        bytes_per_step.append(dict(engine.comm_log.bytes_by_kind))
+    engine.release()
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return {"weights": weights, "through_shared": through_shared, "bytes": bytes_per_step}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("stage", "world_size", "accum", "bf16"),
+    [(1, 2, 1, False), (2, 2, 2, False), (3, 2, 1, True), (1, 4, 2, True), (2, 4, 1, True), (3, 4, 2, False)],
+)
+def test_shared_memory_exchanges_equal_point_to_point_bit_for_bit(stage, world_size, accum, bf16):
+    shared = run_ranks(train_worker, world_size, stage, "auto", accum, bf16, None, timeout_s=200)
+    network = run_ranks(train_worker, world_size, stage, "point_to_point", accum, bf16, None, timeout_s=200)
+    for got, expected in zip(shared, network, strict=True):
+        assert all(got["through_shared"]) and not any(expected["through_shared"])
+        torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
+        for kind in ("reduce_scatter", "all_gather"):  # the log counts the same exchanges, whatever carried them
+            assert [step[kind] for step in got["bytes"]] == [step[kind] for step in expected["bytes"]]
+        # (all_reduce differs at stage 3: network gathers add the divergence watch's per-step checksum)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_flat_params_larger_than_the_arenas_reduce_point_to_point_in_the_same_run(stage):
+    """A cap between the small FlatParams and the largest one: both paths in one step, in the same order on every
+    rank, with the point-to-point path's result."""
+    probe = make_model(n_blocks=3)
+    sizes = sorted({p.numel() * 4 for p in probe.parameters()})
+    cap = sizes[-1] - 1  # the largest parameter's FlatParam does not fit; the blocks' do
+    mixed = run_ranks(train_worker, 2, stage, "auto", 2, False, cap, timeout_s=100)
+    network = run_ranks(train_worker, 2, stage, "point_to_point", 2, False, None, timeout_s=100)
+    for got, expected in zip(mixed, network, strict=True):
+        assert any(got["through_shared"]) and not all(got["through_shared"]), got["through_shared"]
+        torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
+
+
+def absent_peer_worker(rank, world_size, how):
+    model = make_model(n_blocks=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, process_group_timeout_s=2.0))
+    assert engine.exchange is not None
+    if rank == 1:  # never reaches the reduction: still running, or its process ends (a crash looks the same)
+        if how == "sleeps":
+            time.sleep(8)
+        return None
+    (tokens,) = make_batches(1, 1, 4)[0]
+    started = time.monotonic()
+    try:
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+    except shared_exchange.SharedReductionError as error:
+        return {"message": str(error), "seconds": time.monotonic() - started}
+    return {"message": "", "seconds": time.monotonic() - started}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "expected"), [("sleeps", r"rank\(s\) \[1\] did not reach.*unit 'blocks\.\d'.*"
+                                                "process_group_timeout_s=2"), ("exits", r"rank\(s\) \[1\].*exited")])
+def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected):
+    outcome = run_ranks(absent_peer_worker, 2, how, timeout_s=40, pg_timeout_s=20)[0]
+    assert outcome["message"], "the waiting rank must raise instead of hanging"
+    assert re.search(expected, outcome["message"]), outcome["message"]
+    assert outcome["seconds"] < (6 if how == "exits" else 12)
+
+
+def test_explicit_shared_memory_is_accepted_at_stages_1_and_2_and_refused_at_stage_3_with_offload():
+    ZeroConfig(stage=1, collectives="shared_memory")
+    ZeroConfig(stage=2, collectives="shared_memory", offload_optimizer="cpu")
+    with pytest.raises(ZeroConfigError, match=r"stage 3 with offload.*point_to_point"):
+        ZeroConfig(stage=3, collectives="shared_memory", offload_optimizer="cpu")
