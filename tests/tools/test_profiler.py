@@ -23,10 +23,20 @@ OPTIMIZER_DELAY_S = 0.05
 
 class SlowReductions(Callback):
     """Makes every reduce-scatter of a spawned rank take ``REDUCTION_DELAY_S`` longer to complete: the wait of the
-    exchange's handle sleeps first, as a slow network would keep it waiting."""
+    exchange's handle sleeps first, as a slow network or a late peer would keep it waiting (point-to-point, and
+    through shared memory, where the wait for the peers' counters sleeps first)."""
 
     def setup(self, trainer: Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from zero_strategy.core.transport import point_to_point
+        from zero_strategy.core.transport.shared_exchange import SharedExchange
+
+        wait_for_peers = SharedExchange.wait_for_peers
+
+        def slow_wait_for_peers(self: SharedExchange, sequence: int, label: str) -> None:
+            time.sleep(REDUCTION_DELAY_S)
+            wait_for_peers(self, sequence, label)
+
+        SharedExchange.wait_for_peers = slow_wait_for_peers  # stage 3 with shared shards: reductions only
 
         original = point_to_point.reduce_scatter_sum
 
@@ -84,7 +94,7 @@ def test_profile_logs_bytes_and_time_per_collective(tmp_path: Path, capsys: pyte
     steps = [float(r["comm/step_s"]) for r in rows if r.get("comm/step_s")]
     compute = [float(r["comm/compute_s"]) for r in rows if r.get("comm/compute_s")]
     assert all(0 <= c <= s for c, s in zip(compute, steps, strict=True))
-    # Each step reduces the three blocks once (point-to-point on gloo), each wait delayed by REDUCTION_DELAY_S: the
+    # Each step reduces the three blocks once, each wait delayed by REDUCTION_DELAY_S: the
     # reported blocked time must contain the injected delay, and not much more (the real exchange of 16 KiB takes
     # well under a millisecond; the slack allows for a busy machine).
     blocked = [float(r["comm/reduce_scatter_blocked_s"]) for r in rows if r.get("comm/reduce_scatter_blocked_s")]

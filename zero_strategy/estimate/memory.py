@@ -36,6 +36,7 @@ from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precision
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adamw": 8,  # exp_avg + exp_avg_sq
@@ -210,6 +211,13 @@ class _Setup:
     accelerator: bool  # the compute device is not the host (a GPU)
 
     @property
+    def shared_reductions(self) -> bool:
+        """CPU ranks (assumed on one x86-64 host) reduce through two shared-memory arenas of the largest flattened
+        gradient each, held for the whole run (see [Note: shared-memory reductions]); not stage 3 with offload."""
+        offloaded = self.offload_optimizer is not OffloadDevice.none or self.offload_param is not OffloadDevice.none
+        return not self.accelerator and self.world_size > 1 and not (self.stage.reshards_parameters and offloaded)
+
+    @property
     def has_placement(self) -> bool:
         """The engine builds a ``Placement`` (and never aliases the master) once anything is offloaded."""
         return OffloadDevice.none is not self.offload_optimizer or OffloadDevice.none is not self.offload_param
@@ -288,12 +296,18 @@ def _reduce_buffers(f: FlatSpec, s: _Setup) -> int:
     n = s.world_size
     r = (s.reduce_dtype or f.compute_dtype).itemsize
     stash_reused = not s.stage.reduces_every_microstep and f.compute_dtype != torch.float32 and r == 4
-    return (0 if stash_reused else f.padded(n) * r) + f.shard(n) * r
+    in_arena = s.shared_reductions and f.padded(n) * r <= ARENA_CAP_BYTES  # flattened into an arena (below)
+    return (0 if stash_reused or in_arena else f.padded(n) * r) + f.shard(n) * r
 
 
 def _communication(shape: ModelShape, s: _Setup) -> Placed:
     unit = max((shape.root, shape.largest), key=lambda flats: sum(f.numel for f in flats))
     nbytes = sum(_gather_staging(f, s) + (_reduce_buffers(f, s) if f.trainable else 0) for f in unit)
+    if s.shared_reductions:  # the two arenas, sized for the largest flattened gradient under the cap
+        n = s.world_size
+        sizes = [f.padded(n) * (s.reduce_dtype or f.compute_dtype).itemsize
+                 for f in shape.root + shape.largest if f.trainable]  # fmt: skip
+        nbytes += 2 * max([size for size in sizes if size <= ARENA_CAP_BYTES], default=0)
     if s.stage.reduces_every_microstep:  # .grad of the unit being finished and of the root (its gradient lands last)
         nbytes += sum(f.numel * f.compute_dtype.itemsize for f in shape.largest + shape.root if f.trainable)
     return Placed(device=nbytes)
