@@ -45,12 +45,17 @@ def _build_ddp(model: nn.Module, counter: CollectiveCounter, fused: bool | None 
 
 
 def _build_zero(
-    stage: int, model: nn.Module, counter: CollectiveCounter, unit_modules: list[str] | None = None
+    stage: int,
+    model: nn.Module,
+    counter: CollectiveCounter,
+    unit_modules: list[str] | None = None,
+    collectives: str = "auto",
 ) -> MethodRun:
     """``unit_modules``: ZeroConfig's (None: the default units, where the 30 M model's MLP layers, 1 M parameters
-    each, are units of their own inside each block's unit)."""
+    each, are units of their own inside each block's unit). ``collectives``: ZeroConfig's."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)  # the user's, unmodified (ZeRO fuses it)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, unit_modules=unit_modules or []))
+    config = ZeroConfig(stage=stage, unit_modules=unit_modules or [], collectives=collectives)
+    engine = ZeroEngine(model, [optimizer], config)
 
     def step() -> None:
         engine.optimizer_step(optimizer)
@@ -92,9 +97,15 @@ BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
 }
 
 # Rows run only when named in --methods: torch.compile (benchmarks/bench_compile.py; compiling takes minutes here),
-# and zero3 with the blocks as its only units (the eager twin of zero3_block_units_compile).
+# zero3 with the blocks as its only units (the eager twin of zero3_block_units_compile), and zero1/2/3 with every
+# exchange through gloo point-to-point (the same stage without shared memory).
 OPT_IN_METHODS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
     "zero3_block_units": functools.partial(_build_zero, 3, unit_modules=["Block"]),
+    # every exchange through gloo (no shared memory): what the shared-memory exchanges save, in the same run
+    **{
+        f"zero{stage}_point_to_point": functools.partial(_build_zero, stage, collectives="point_to_point")
+        for stage in (1, 2, 3)
+    },
     "ddp_compile": functools.partial(compiled_blocks, _build_ddp),
     "ddp_compile_whole": functools.partial(compiled_whole, _build_ddp),
     **{

@@ -78,6 +78,7 @@ def theory_state_bytes(method: str, psi: int, world: int) -> float:
     """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     method = method.split("_compile")[0]  # compiling changes no byte of the model state
+    method = method.removesuffix("_point_to_point")  # nor how the bytes travel
     if method in ("zero1", "zero_redundancy"):
         return 4 * psi + 4 * psi + 8 * psi / world
     if method == "zero2":
@@ -92,6 +93,7 @@ def theory_comm_bytes(method: str, psi: int) -> int:
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     method = method.split("_compile")[0]  # nor what is sent
+    method = method.removesuffix("_point_to_point")  # nor how
     if method == FLOOR:
         return 0
     three = method in ("zero3", "zero3_block_units", "zero_redundancy", "fsdp2_reshard_true")

@@ -85,11 +85,11 @@ def test_flat_params_larger_than_the_arenas_reduce_point_to_point_in_the_same_ru
 def absent_peer_worker(rank, world_size, how):
     model = make_model(n_blocks=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, process_group_timeout_s=2.0))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, process_group_timeout_s=1.0))
     assert engine.exchange is not None
     if rank == 1:  # never reaches the reduction: still running, or its process ends (a crash looks the same)
         if how == "sleeps":
-            time.sleep(8)
+            time.sleep(5)
         return None
     (tokens,) = make_batches(1, 1, 4)[0]
     started = time.monotonic()
@@ -102,12 +102,12 @@ def absent_peer_worker(rank, world_size, how):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "expected"), [("sleeps", r"rank\(s\) \[1\] did not reach.*unit 'blocks\.\d'.*"
-                                                "process_group_timeout_s=2"), ("exits", r"rank\(s\) \[1\].*exited")])
+                                                "process_group_timeout_s=1"), ("exits", r"rank\(s\) \[1\].*exited")])
 def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected):
     outcome = run_ranks(absent_peer_worker, 2, how, timeout_s=40, pg_timeout_s=20)[0]
     assert outcome["message"], "the waiting rank must raise instead of hanging"
     assert re.search(expected, outcome["message"]), outcome["message"]
-    assert outcome["seconds"] < (6 if how == "exits" else 12)
+    assert outcome["seconds"] < 4.5  # the sleeping rank is still alive then: the timeout, not its exit, stopped us
 
 
 def test_explicit_shared_memory_is_accepted_at_stages_1_and_2_and_refused_at_stage_3_with_offload():
