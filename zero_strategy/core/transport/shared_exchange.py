@@ -26,9 +26,9 @@ timeout, or a peer process that exits, ends with :class:`SharedReductionError` n
 did not arrive. The wait spins briefly, then yields its core, then sleeps in short naps, so that ranks sharing a
 core (more ranks than cores) do not starve the peer they wait for.
 
-Measured by a one-off script (2 ranks on this project's 2-core CI machine, 7 reductions of 0.79 M fp32 elements,
-the 5 M benchmark model's units): 3.4-4.6 ms through shared memory vs 15.5 ms point-to-point; 4 ranks (two per
-core): 10 ms vs 33 ms. The step-time effect is in the README's benchmark table.
+The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
+single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
+memory); the README's benchmark table has the figures.
 
 What stays point-to-point: a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would cost two copies of it per
 rank for the whole run), stage 3 when its gathers go through the network (the divergence watch of
@@ -103,8 +103,10 @@ class SharedExchange:
                 ctypes.c_int64.from_address(counter.data_ptr())
                 for counter in self._segments.shards(self._counter_key)
             ]
-            pids = all_gather_object(os.getpid(), self.group)
-            self._pids = pids if all(_alive(pid) for pid in pids) else []  # another PID namespace: cannot check
+            # (pid, start time): a peer in another PID namespace does not match, and then exits are not watched
+            identities = all_gather_object((os.getpid(), _start_time(os.getpid())), self.group)
+            visible = all(start is not None and _start_time(pid) == start for pid, start in identities)
+            self._pids = [pid for pid, _ in identities] if visible else []
         return connected
 
     def discard_files(self) -> None:
@@ -240,20 +242,23 @@ class SharedExchangeOp:
         return self._result
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the process name (which may contain spaces), or None without it."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot): with the pid, it names one process."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` is running: a zombie (exited, not yet reaped by its parent, e.g. a rank launched by
     rank 0 that waits here) counts as exited."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may contain spaces
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel whether the process exists at all
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
