@@ -46,9 +46,10 @@ def train_worker(rank, world_size, stage, collectives, accum, bf16, arena_cap):
                 time.sleep(0.02)
             optimizer.step()
         bytes_per_step.append(dict(engine.comm_log.bytes_by_kind))
+    posted = exchange.posted if exchange is not None else 0
     engine.release()
     weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-    return {"weights": weights, "through_shared": through_shared, "bytes": bytes_per_step}
+    return {"weights": weights, "through_shared": through_shared, "bytes": bytes_per_step, "posted": posted}
 
 
 @pytest.mark.timeout(240)
@@ -59,8 +60,14 @@ def train_worker(rank, world_size, stage, collectives, accum, bf16, arena_cap):
 def test_shared_memory_exchanges_equal_point_to_point_bit_for_bit(stage, world_size, accum, bf16):
     shared = run_ranks(train_worker, world_size, stage, "auto", accum, bf16, None, timeout_s=200)
     network = run_ranks(train_worker, world_size, stage, "point_to_point", accum, bf16, None, timeout_s=200)
+    flats, steps = len(shared[0]["through_shared"]), 3
+    # what went through shared memory, per step: every FlatParam's reduction (stage 1 once per step, stages 2/3 per
+    # micro-batch) and, at stages 1/2, its gather of the updated slices
+    reductions = 1 if stage == 1 else accum
+    gathers = 0 if stage == 3 else 1
     for got, expected in zip(shared, network, strict=True):
         assert all(got["through_shared"]) and not any(expected["through_shared"])
+        assert got["posted"] == steps * flats * (reductions + gathers) and expected["posted"] == 0
         torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
         for kind in ("reduce_scatter", "all_gather"):  # the log counts the same exchanges, whatever carried them
             assert [step[kind] for step in got["bytes"]] == [step[kind] for step in expected["bytes"]]

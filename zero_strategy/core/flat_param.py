@@ -345,8 +345,7 @@ class FlatParam:
     @property
     def reduce_bytes(self) -> int:
         """Size of this FlatParam's flattened gradient, the input of each of its reductions."""
-        dtype = self.reduce_dtype or self.full.dtype
-        return self.layout.padded_numel * torch.empty((), dtype=dtype).element_size()
+        return self.layout.padded_numel * (self.reduce_dtype or self.full.dtype).itemsize
 
     def has_pending_grads(self) -> bool:
         return self.trainable and (self.grad_stash is not None or any(p.grad is not None for p in self.params))

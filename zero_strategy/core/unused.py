@@ -30,6 +30,7 @@ from zero_strategy.core.transport.collectives import (
     ProcessGroup,
     all_reduce_max,
 )
+from zero_strategy.core.transport.streams import host_to_device
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
 
@@ -41,7 +42,7 @@ def agree_on_used(flats: list[FlatParam], group: ProcessGroup, log: Communicatio
     seen = [seen for flat in flats for seen in flat.grad_seen]
     if not seen:
         return
-    bitmap = _to_device(torch.tensor(seen, dtype=torch.uint8), collectives.collective_device(group))
+    bitmap = host_to_device(torch.tensor(seen, dtype=torch.uint8), collectives.collective_device(group), torch.uint8)
     agreed_on_device = all_reduce_max(bitmap, group, log)
     if all(seen):
         # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common
@@ -52,14 +53,6 @@ def agree_on_used(flats: list[FlatParam], group: ProcessGroup, log: Communicatio
     for flat in flats:
         flat.grad_seen = [bool(used) for used in agreed[offset : offset + len(flat.grad_seen)]]
         offset += len(flat.grad_seen)
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without blocking the host: a CUDA copy goes from pinned memory, asynchronously
-    (the pinned buffer's allocator keeps it until the copy is done)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:

@@ -13,6 +13,8 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 - optimizer state: bytes per fp32 master element from :data:`OPTIMIZER_STATE_BYTES`, on this rank's slice.
 - communication: transient buffers of the largest unit — the flat reduce buffer, the reduce-scatter output, the
   gather source copy and, at stages 2/3, the ``.grad`` tensors waiting for the reduction (the root's wait longest).
+  CPU ranks reduce through two shared-memory arenas of the largest flattened gradient instead of the flat buffer
+  (see [Note: shared-memory reductions]); they are held for the whole run.
 - offload "cpu": masters, gradient slices and optimizer state move to host memory, but on a GPU a compute-dtype
   copy of the slice (cΨ/N) stays on the device so gathers need no host-to-device copy (unless ``offload_param``).
   "nvme": masters, gradient slices and optimizer state go to files, a chunk of them resident while the optimizer
@@ -22,14 +24,12 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
@@ -37,6 +37,7 @@ from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precisi
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES
+from zero_strategy.estimate.activations import measure_activation_bytes
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adamw": 8,  # exp_avg + exp_avg_sq
@@ -331,65 +332,6 @@ def _notes(shape: ModelShape, s: _Setup, activations_known: bool) -> tuple[str, 
         (not activations_known, "activations not included: pass a model and sample_batch (or activation_bytes)"),
     )
     return tuple(text for applies, text in candidates if applies)
-
-
-# ------------------------------------------------------------------------------------------------ activations
-@contextmanager
-def _in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Temporarily give ``model`` the parameter dtypes ZeRO computes with (norm layers stay fp32) and run under
-    autocast, so saved activations have the dtype of a real run; the original tensors are put back afterwards."""
-    if dtype == torch.float32:
-        yield
-        return
-    keep = MixedPrecisionPolicy(dtype).full_precision_params(model)
-    originals = {p: p.data for p in model.parameters() if p.is_floating_point() and id(p) not in keep}
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    try:
-        for param, data in originals.items():
-            param.data = data.to(dtype)
-        with torch.autocast(device, dtype=dtype):
-            yield
-    finally:
-        for param, data in originals.items():
-            param.data = data
-
-
-def _default_loss(model: nn.Module, batch: Any) -> Tensor:
-    """Call the model on the batch (a tensor, a tuple of arguments or a dict of keywords); sum what it returns."""
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, tuple) else model(batch)
-    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad]
-    if not tensors:
-        raise ValueError("the model's output has no floating-point tensor that requires grad; pass loss_fn=")
-    return torch.stack([t.float().sum() for t in tensors]).sum()
-
-
-def measure_activation_bytes(
-    model: nn.Module, sample_batch: Any, precision: str = "32-true",
-    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
-) -> int:  # fmt: skip
-    """Bytes autograd keeps for backward after one forward of ``model`` on ``sample_batch`` (one rank's
-    micro-batch), measured in this process: a ``torch.autograd.graph.saved_tensors_hooks`` pack hook records every
-    distinct storage saved for backward, parameters' own storages excluded (ZeRO counts them as parameters).
-    A backward then runs through ``torch.autograd.grad``, so the model's ``.grad`` stay untouched. The default
-    loss sums the outputs; pass ``loss_fn(model, batch)`` to include a real loss (cross-entropy keeps its
-    softmax). Activation checkpointing is not modelled: measure with the checkpointed model for that."""
-    dtype = COMPUTE_DTYPES[normalize_precision(precision)]
-    saved: dict[int, int] = {}
-    with _in_compute_dtype(model, dtype):
-        param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(tensor: Tensor) -> Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in param_storages:
-                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = (loss_fn or _default_loss)(model, sample_batch)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        if trained and loss.requires_grad:
-            torch.autograd.grad(loss, trained, allow_unused=True)
-    return sum(saved.values())
 
 
 # ------------------------------------------------------------------------------------------------- public API

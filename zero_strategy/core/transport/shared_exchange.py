@@ -109,8 +109,10 @@ class SharedExchange:
             self._pids = [pid for pid, _ in identities] if visible else []
         return connected
 
-    def discard_files(self) -> None:
-        self._segments.discard_files()
+    @property
+    def posted(self) -> int:
+        """Exchanges this rank has posted through shared memory since it was built."""
+        return self._sequence
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.arena_bytes
@@ -123,7 +125,7 @@ class SharedExchange:
         return self._view(self._arena_keys[(self._sequence + 1) % 2], self.rank, numel, dtype)
 
     def _view(self, key: int, rank: int, numel: int, dtype: torch.dtype) -> Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         return self._segments.shards(key)[rank][:nbytes].view(dtype)
 
     def start_reduce(self, flat: Tensor, log: CommunicationLog, label: str) -> SharedExchangeOp:
@@ -223,9 +225,6 @@ class SharedExchangeOp:
         self._label = label
         self._finish = finish
         self._result: Tensor | None = None
-
-    def watch(self, wrap: Callable[[object], object]) -> None:
-        """Nothing to watch: a shared-memory wait has its own timeout (see [Note: shared-memory reductions])."""
 
     def complete(self) -> None:
         """Wait until every rank posted this exchange, then read what it needs from their arenas."""
