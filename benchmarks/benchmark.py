@@ -100,7 +100,9 @@ def theory_comm_bytes(method: str, psi: int) -> int:
     return (3 if three else 2) * psi * 4  # fp32
 
 
-def _distinct_bytes(tensors: list[Tensor], seen: set[int]) -> int:
+def _distinct_bytes(tensors: list[Tensor], seen: set[int], sharers: dict[int, int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors``; a storage in ``sharers`` (data pointer → number of ranks
+    mapping the same shared memory) is one copy per host, charged 1/that to each of them."""
     from torch.distributed.tensor import DTensor
 
     total = 0
@@ -109,7 +111,7 @@ def _distinct_bytes(tensors: list[Tensor], seen: set[int]) -> int:
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        total += storage.nbytes() // (sharers or {}).get(storage.data_ptr(), 1)
     return total
 
 
@@ -121,8 +123,12 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
     for group in run.optimizer.param_groups:
         params.update((id(p), p) for p in group["params"])
     seen: set[int] = set()
+    # ZeRO stage 3 on one host: each unit's parameters are one shared-memory buffer mapped by every rank
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    flats = run.engine.flat_params if run.engine is not None else []
+    sharers = {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.node_shared is not None}
     with torch.no_grad():
-        param_bytes = _distinct_bytes(list(params.values()), seen)
+        param_bytes = _distinct_bytes(list(params.values()), seen, sharers)
         grad_bytes = _distinct_bytes([p.grad for p in params.values() if p.grad is not None], seen)
         states = [v for s in run.state_optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
         return param_bytes, grad_bytes, _distinct_bytes(states, seen)

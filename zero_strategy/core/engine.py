@@ -30,7 +30,7 @@ from zero_strategy.core import gradients
 from zero_strategy.core.compile_check import warn_compiled_around_units
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
-from zero_strategy.core.hybrid import adopt_first_replica
+from zero_strategy.core.hybrid import adopt_first_replica, average_over_replicas
 from zero_strategy.core.materialize import (
     InitialValues,
     check_materializable,
@@ -135,7 +135,7 @@ class ZeroEngine:
             load_pretrained(module, self.flat_params, initial_values.pretrained, self.ctx.rank)
             self.after_load()
         elif replay is not None and self.shared is not None:
-            self.shared.after_writes()  # the replayed shards are complete before any peer gathers them
+            self.after_load()  # the replayed slices reach the node's buffers before any peer reads them
         self._sync_buffers()
         self._repoint_optimizers()
         # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
@@ -175,6 +175,8 @@ class ZeroEngine:
                 self.shared.discard_files()  # a failed set-up leaves nothing in /dev/shm
             raise
         if self.shared is not None and not self.shared.connect():
+            for flat in self.flat_params:
+                flat.leave_shared_memory()
             shared_memory_unavailable(config, self.shared.failure or "")
 
     def _collective(self, what: str, collective: Callable[[], T]) -> T:
@@ -304,7 +306,7 @@ class ZeroEngine:
 
             def average() -> None:
                 for flat in averaging:
-                    flat.average_over_replicas()
+                    average_over_replicas(flat)
 
             self._collective("replica all-reduce", average)
 

@@ -47,3 +47,17 @@ def flatten_grads(flat: HoldsGradients, dtype: torch.dtype, out: Tensor | None =
         elif not add:
             part.zero_()
     return target
+
+
+def stash_grad(flat: HoldsGradients, index: int) -> None:
+    """Move parameter ``index``'s gradient into ``flat``'s fp32 stash (stage 1 in low precision accumulates there,
+    not in the compute dtype)."""
+    param = flat.params[index]
+    if param.grad is None:
+        return
+    if flat.grad_stash is None:
+        flat.grad_stash = torch.zeros(flat.layout.padded_numel, dtype=torch.float32, device=flat.full.device)
+    span = flat.layout.spans[index]
+    flat.grad_stash[span.offset : span.end].add_(param.grad.reshape(-1))
+    param.grad = None
+    flat.grad_seen[index] = True

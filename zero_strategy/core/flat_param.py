@@ -30,13 +30,12 @@ from zero_strategy.core.transport.collectives import (
     PendingGather,
     PendingReduce,
     all_gather_flat,
-    all_reduce_mean_over_replicas,
     broadcast_flat,
     start_reduce_scatter_mean,
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
 from zero_strategy.core.transport.shared_exchange import SharedExchange, SharedExchangeOp
-from zero_strategy.core.transport.shared_shards import SharedShards, gather_from_shards
+from zero_strategy.core.transport.shared_shards import NodeSharedBuffer, SharedShards
 from zero_strategy.core.transport.streams import CollectiveStreams, copy_host_to_device, host_to_device
 
 
@@ -54,7 +53,7 @@ class FlatOptions:
     keeps_full: bool  # stages 1/2: `full` is never freed
     compute_dtype: torch.dtype | None = None  # dtype of `full` (what forward sees); None: the parameters' own
     placement: Placement | None = None  # offload: where the shard lives; None: next to `full`
-    shared: SharedShards | None = None  # stage 3, one host's CPU ranks: the shard lives in shared memory
+    shared: SharedShards | None = None  # stage 3, one host's CPU ranks: `full` once per host in shared memory
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: the compute dtype
     materialize_device: torch.device | None = None  # meta parameters: where their storage is made
     streams: CollectiveStreams | None = None  # CUDA side streams (see [Note: streams for gathers and reductions])
@@ -137,16 +136,17 @@ class FlatParam:
             placement = options.placement
             self.placement = placement
             self.shard_aliases_full = options.keeps_full and compute_dtype == first.dtype and placement is None
-            self._shared: SharedShards | None = None
-            self._shared_key = -1
+            self._node: NodeSharedBuffer | None = None  # stage 3, one host: `full` once per host (shared memory)
             initial = full[start:end] if full.numel() else torch.zeros(end - start, dtype=first.dtype, device=device)
             if placement is not None:  # offloaded: the shard lives in host memory or a file
                 self.shard = placement.shard_buffer(f"shard-{id(self)}", end - start, first.dtype)
                 self.shard.copy_(initial)
             elif options.shared is not None and not options.keeps_full:  # see [Note: shared-memory gathers]
-                self._shared = options.shared
-                self.shard, self._shared_key = options.shared.allocate(end - start, first.dtype)
-                self.shard.copy_(initial)
+                self._node = options.shared.allocate_full(self.layout.padded_numel, compute_dtype, (start, end))
+                (own := self._node.values[start:end]).copy_(initial)
+                # fp32: our slice of the node's buffer is the master shard; else the masters stay private
+                self.shard_aliases_full = compute_dtype == first.dtype
+                self.shard = own if self.shard_aliases_full else initial.clone()
             else:
                 self.shard = initial if self.shard_aliases_full or not full.numel() else initial.clone()
             if not full.numel():  # deferred stage 3: the views need a buffer of the full size; its pages are never
@@ -154,6 +154,8 @@ class FlatParam:
                 full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
             elif compute_dtype != first.dtype:
                 full = full.to(compute_dtype)
+            if self._node is not None:
+                full = self._node.values
         self.full = full
         param_group = self.ctx.param_group
         self.secondary = None if options.keeps_full or param_group is None else SecondaryCopy(
@@ -185,6 +187,30 @@ class FlatParam:
         if deferred and not options.keeps_full:
             self.reshard()
 
+    def leave_shared_memory(self) -> None:
+        """Shared memory failed on some rank (at set-up): our slice goes to private memory, gathers to the network."""
+        if self._node is None:
+            return
+        if self.shard_aliases_full:
+            self.shard = self.shard.clone()
+            for piece, offset in zip(self.master_pieces, self.piece_offset, strict=True):
+                piece.data = self.shard[offset : offset + piece.numel()]
+        self.shard_aliases_full, self._node = False, None
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.full.dtype)
+        for span, param in zip(self.layout.spans, self.params, strict=True):
+            param.data = self.full[span.offset : span.end].view(span.shape)
+        self.state = ShardState.UNSHARDED
+        self.reshard()
+
+    @property
+    def node_shared(self) -> NodeSharedBuffer | None:
+        """Stage 3 on one host: ``full`` lives once per host in shared memory (this rank owns one slice of it)."""
+        return self._node
+
+    def drop_full(self) -> None:
+        """The engine lets the module go: forget ``full`` (a node-shared buffer is unmapped with the last view)."""
+        self.full, self._node = torch.empty(0, dtype=self.full.dtype, device=self.full.device), None
+
     def write_initial_value(self, index: int, value: Tensor) -> None:
         """Deferred construction: parameter ``index``'s whole initial value. This rank keeps its part of the
         shard, and at stages 1/2 the full value (every rank replays the same values, so nothing is gathered)."""
@@ -193,7 +219,7 @@ class FlatParam:
         with torch.no_grad():
             if self.keeps_full:
                 self.full[span.offset : span.end].copy_(flat_value)
-            if not self.shard_aliases_full:
+            if not (self.keeps_full and self.shard_aliases_full):  # else written into `full` just now
                 start, end = self.layout.shard_range(self.ctx.rank)
                 lo, hi = max(span.offset, start), min(span.end, end)
                 if lo < hi:
@@ -231,15 +257,12 @@ class FlatParam:
         """Allocate ``full`` and start gathering every rank's shard into it (asynchronously where possible)."""
         if self.state is ShardState.UNSHARDED or self._pending is not None:
             return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.full.numel() * self.full.element_size())
-        if self._shared is not None and self._shared.connected:
+        if self._node is not None:  # the peers' slices are read where they lie: the all-gather this replaces
             self.log.record("all_gather", self.full.numel() * self.full.element_size())
-            with self.log.blocking("all_gather"):
-                gather_from_shards(self.full, self._shared.shards(self._shared_key))
-                self._shared.release_peers(self._shared_key)
             self.state = ShardState.UNSHARDED
             return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.full.numel() * self.full.element_size())
         secondary = self.secondary
         if secondary is not None and secondary.fresh:  # hierarchical stage 3: gathered inside the node
             self._pending = secondary.start_gather(self.full, self.log, self.ctx.point_to_point, self._salt)
@@ -258,7 +281,7 @@ class FlatParam:
             return
         if self._pending is None:
             self.start_unshard()
-            if self.state is ShardState.UNSHARDED:  # shared-memory shards: the gather was a copy, already done
+            if self.state is ShardState.UNSHARDED:  # node-shared buffer: nothing to wait for
                 return
         self._land_gather()
         if self.placement is not None:
@@ -280,7 +303,10 @@ class FlatParam:
             self._land_gather()
         if self.state is ShardState.SHARDED:
             return
-        self.full.untyped_storage().resize_(0)
+        if self._node is not None:  # the buffer stays (it is the peers' too); its pages leave our resident set
+            self._node.release_peer_pages()
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     def start_publish_shard(self) -> Callable[[], None]:
@@ -289,6 +315,10 @@ class FlatParam:
         ``full``. Returns the function that waits for it."""
         if self.keeps_full:
             return self.start_refresh_full_from_shards()
+        if self._node is not None and not self.shard_aliases_full:  # our slice of the node's buffer, rounded
+            start, end = self.layout.shard_range(self.ctx.rank)
+            with torch.no_grad():
+                self.full[start:end].copy_(self.shard)
         self.reshard()
         if self.secondary is not None:
             self.secondary.mark_stale()
@@ -349,19 +379,6 @@ class FlatParam:
 
     def has_pending_grads(self) -> bool:
         return self.trainable and (self.grad_stash is not None or any(p.grad is not None for p in self.params))
-
-    def stash_grad(self, index: int) -> None:
-        """Move parameter ``index``'s gradient into the fp32 stash (stage 1 in low precision accumulates there,
-        not in the compute dtype)."""
-        param = self.params[index]
-        if param.grad is None:
-            return
-        if self.grad_stash is None:
-            self.grad_stash = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.full.device)
-        span = self.layout.spans[index]
-        self.grad_stash[span.offset : span.end].add_(param.grad.reshape(-1))
-        param.grad = None
-        self.grad_seen[index] = True
 
     def discard_grads(self) -> None:
         """Drop every gradient of this FlatParam (a skipped step)."""
@@ -435,22 +452,6 @@ class FlatParam:
         if self._grad_file is not None and self.placement is not None:
             self.placement.after_host_read()  # the slice is in the file: its pages leave this process
 
-    def average_over_replicas(self) -> None:
-        """Hybrid sharding: average the gradient slice accumulated since the last step over the replica group, once
-        per optimizer step (see [Note: hybrid sharding] in transport/topology.py). Collective over the replicas;
-        every replica has the same pieces (the same slice of the same layout), so they agree on calling it."""
-        if not self.replica_average_pending or self.ctx.replicas is None:
-            return
-        self.replica_average_pending = False
-        grads = [piece.grad for piece in self.master_pieces if piece.grad is not None]
-        assert len(grads) == len(self.master_pieces), "every piece has a gradient after a reduction"
-        # one exchange per FlatParam: the pieces' gradients side by side (a copy only when there are several)
-        joined = grads[0] if len(grads) == 1 else torch.cat([grad.reshape(-1) for grad in grads])
-        all_reduce_mean_over_replicas(joined, self.ctx.replicas, self.log, self.ctx.point_to_point)
-        if len(grads) > 1:
-            for grad, part in zip(grads, joined.split([grad.numel() for grad in grads]), strict=True):
-                grad.copy_(part.view_as(grad))
-
     def _start_host_grads(self, reduced: Tensor, streams: CollectiveStreams) -> None:
         """Offloaded masters on a GPU: copy the reduced slice to pinned host memory on the copy stream, without
         blocking; :meth:`settle_host_grads` adds it to the master pieces' grads. One copy in flight per FlatParam
@@ -494,5 +495,5 @@ class FlatParam:
 
     @property
     def shard_is_borrowed(self) -> bool:
-        """The shard is a view of ``full`` or of a shared-memory segment, both dropped when the engine lets go."""
-        return self.shard_aliases_full or self._shared is not None
+        """The shard is a view of ``full`` (private, or the node's shared buffer), dropped when the engine lets go."""
+        return self.shard_aliases_full

@@ -72,6 +72,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from zero_strategy.core.flat_grads import stash_grad
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.reduction_order import ReductionOrder
 from zero_strategy.core.stage import ZeroStage
@@ -162,7 +163,7 @@ class RuntimeHooks:
 
     @staticmethod
     def _stash(flat: FlatParam, index: int, param: Tensor) -> None:
-        flat.stash_grad(index)
+        stash_grad(flat, index)
 
     def remove(self) -> None:
         for handle in self._handles:

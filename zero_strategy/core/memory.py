@@ -45,15 +45,21 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
     views share it."""
     seen: set[int] = set()
     param_tensors: list[Tensor] = []
+    node_shared = 0
     for flat in engine.flat_params:
-        param_tensors.extend([flat.full, flat.shard])
+        node = flat.node_shared
+        if node is not None:  # one buffer per host (see [Note: shared-memory gathers]): this rank's slice is its own
+            node_shared += node.own_bytes[1] - node.own_bytes[0]
+            param_tensors.extend([] if flat.shard_aliases_full else [flat.shard])
+        else:
+            param_tensors.extend([flat.full, flat.shard])
         if flat.device_source is not None:
             param_tensors.append(flat.device_source)
         if flat.secondary is not None:  # hierarchical stage 3's node-local copy
             param_tensors.append(flat.secondary.values)
-    parameters = storage_bytes(param_tensors, seen)
+    parameters = storage_bytes(param_tensors, seen) + node_shared
     grad_tensors = [p.grad for flat in engine.flat_params for p in flat.params if p.grad is not None]
-    # stage 1 under bf16/fp16 accumulates in fp32 here until the step (see FlatParam.stash_grad)
+    # stage 1 under bf16/fp16 accumulates in fp32 here until the step (see flat_grads.stash_grad)
     grad_tensors += [flat.grad_stash for flat in engine.flat_params if flat.grad_stash is not None]
     grad_tensors += [p.grad for flat in engine.flat_params for p in flat.master_pieces if p.grad is not None]
     gradients = storage_bytes(grad_tensors, seen)

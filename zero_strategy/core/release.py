@@ -42,7 +42,7 @@ def gather_into_module(flat: FlatParam) -> None:
     with torch.no_grad():
         for span, param in zip(flat.layout.spans, flat.params, strict=True):
             param.data = whole[span.offset : span.end].view(span.shape).clone()
-    flat.full = torch.empty(0, dtype=flat.full.dtype, device=flat.full.device)
+    flat.drop_full()
 
 
 def leave_sharded(flat: FlatParam) -> None:
@@ -55,7 +55,7 @@ def leave_sharded(flat: FlatParam) -> None:
         if not param.is_meta:
             placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
             torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
-    flat.full = torch.empty(0, dtype=flat.full.dtype, device=flat.full.device)
+    flat.drop_full()
 
 
 class ReleasedShards:

@@ -1,25 +1,33 @@
-"""Stage 3 on CPU ranks of one host: parameter shards in shared memory, so that gathering a unit is a copy.
+"""Stage 3 on CPU ranks of one host: each unit's parameters once per host in shared memory, read in place.
 
 [Note: shared-memory gathers]
-On one host, the ranks' shards can simply be read by their peers: each rank keeps its fp32 master shard of every
-stage-3 FlatParam in a file under ``/dev/shm`` that every peer maps, and gathering a unit becomes copying N slices
-(converting to the compute dtype on the way) instead of sending them through gloo's TCP loopback, which costs the
-CPU a kernel copy on each side (measured: the point-to-point gathers took 16 ms of a 5.3 M model's forward on
-2 ranks; see the issue notes for the step-time effect).
+On one host the ranks' shards can simply be read by their peers. Each stage-3 FlatParam's whole padded flat buffer
+(every rank's slice side by side, in the compute dtype) is one file under ``/dev/shm`` that every local rank maps;
+rank r reserves and writes only its own slice, and the module's parameters are views of the mapping. Gathering a
+unit is then nothing at all: forward and backward read the peers' slices where they lie. The point-to-point
+gathers this replaces took 16 ms of a 5.3 M model's forward on 2 ranks, and the copying gathers that came
+between (each rank copying every peer's slice into a private buffer each time a unit was needed) cost zero3 about
+16 ms per step more than zero2 on the same model. In fp32 the slice *is* the rank's master shard; under
+bf16/fp16 the master shard stays private and each step writes its rounded copy into the slice.
 
-Correctness rests on one rule: a rank writes its shards only between the two barriers that bracket an optimizer
-step (:meth:`SharedShards.before_writes` / :meth:`SharedShards.after_writes`), and after a checkpoint load. Every
-read happens in forward/backward or in ``gathered_parameters``, outside that window, on every rank.
+Correctness rests on one rule: a rank writes its slice only between the two barriers that bracket an optimizer
+step (:meth:`SharedShards.before_writes` / :meth:`SharedShards.after_writes`), and after a checkpoint load or
+construction. Every read happens in forward/backward or in ``gathered_parameters``, outside that window, on every
+rank.
 
-After each gather the peers' pages are dropped from the reading process's resident set (``MADV_DONTNEED``; they
-stay in shared memory, owned by their rank): each rank's RSS then holds its own shards only (30 M model, 2 ranks:
-zero3 peak RSS 0.79x DDP's without the release, 0.72x with it, step time unchanged).
+When a unit is released after use, the peers' pages of its buffer are dropped from the reading process's resident
+set (``MADV_DONTNEED``; they stay in shared memory, where their owner keeps them): each rank's RSS holds its own
+slices plus the units in use, as with gathered copies, and the next use maps them back (a minor fault per page,
+no copy). The buffer costs the host the model's compute-dtype parameters once, instead of once per rank whenever
+every rank has the same unit gathered.
 
 The files are unlinked as soon as every rank has mapped them, so nothing is left in ``/dev/shm`` when a process
 ends, however it ends; only a crash during set-up itself can leave them (named ``zero-shards-<run>-...``). The
-space is checked before set-up and reserved with ``posix_fallocate``: a too-small ``/dev/shm`` (Docker's default is
-64 MiB) makes every rank fall back to point-to-point gathers together (with a warning; an error if
-``collectives="shared_memory"`` was asked for) instead of crashing later with SIGBUS or leaving peers waiting.
+space is checked before set-up and each rank reserves its slices with ``posix_fallocate``: a too-small
+``/dev/shm`` (Docker's default is 64 MiB) makes every rank fall back to point-to-point gathers together (with a
+warning; an error if ``collectives="shared_memory"`` was asked for) instead of crashing later with SIGBUS or
+leaving peers waiting. Ranks that see different ``/dev/shm`` folders (containers sharing a hostname) are found by
+a roll call: each rank's one-page file must be visible to every peer.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import mmap
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,6 +44,28 @@ from torch import Tensor
 from zero_strategy.core.transport.collectives import ProcessGroup, all_gather_object, barrier, broadcast_object
 
 SHM_DIR = "/dev/shm"
+
+
+@dataclass(slots=True)
+class NodeSharedBuffer:
+    """One stage-3 FlatParam's whole flat buffer, once per host (see [Note: shared-memory gathers])."""
+
+    values: Tensor  # every rank's slice side by side; private memory when the reservation failed
+    own_bytes: tuple[int, int]  # [start, end) of this rank's slice, in bytes
+    mapping: mmap.mmap | None  # None: private memory
+
+    def release_peer_pages(self) -> None:
+        """Drop the peers' pages from this process's resident set (they stay in shared memory); this rank's own
+        slice stays mapped. Only whole pages are dropped: one shared with the neighbour's slice stays."""
+        if self.mapping is None:
+            return
+        page, (start, end), total = mmap.PAGESIZE, self.own_bytes, len(self.mapping)
+        before = start - start % page  # pages wholly before our slice
+        after = -(-end // page) * page  # the first page wholly after it
+        if before > 0:
+            self.mapping.madvise(mmap.MADV_DONTNEED, 0, before)
+        if after < total:
+            self.mapping.madvise(mmap.MADV_DONTNEED, after, total - after)
 
 
 class SharedShards:
@@ -49,8 +80,9 @@ class SharedShards:
         self._dtypes: list[tuple[int, torch.dtype]] = []
         self._peers: list[list[Tensor]] = []  # per key: every rank's shard, in rank order
         self.connected = False  # False until connect() succeeded everywhere: gathers then use the network
-        self._peer_maps: dict[int, list[mmap.mmap]] = {}  # key → the peers' mappings (for releasing pages)
         self.failure: str | None = None  # why this rank's shards are not in shared memory, if they are not
+        self._full_buffers = 0  # node-shared buffers allocated (their file names are numbered in that order)
+        self._roll_call_key: int | None = None  # a one-page file of ours every peer must see (see the Note)
 
     @staticmethod
     def usable(group: ProcessGroup, device: torch.device, host_bytes: int) -> bool:
@@ -87,6 +119,32 @@ class SharedShards:
             self._own.append(torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)[:numel])
         return self._own[key], key
 
+    def allocate_full(self, numel: int, dtype: torch.dtype, own: tuple[int, int]) -> NodeSharedBuffer:
+        """A zero-filled buffer of ``numel`` elements in one file every local rank maps, of which this rank
+        reserves only its own elements ``own = (start, end)`` (their pages are charged to it). Without room it is
+        private memory instead, and :meth:`connect` makes every rank fall back together."""
+        if self._roll_call_key is None:
+            self._roll_call_key = self.allocate(1, torch.uint8)[1]
+        path = os.path.join(SHM_DIR, f"zero-shards-{self._run}-full-{self._full_buffers}")
+        self._full_buffers += 1
+        item = torch.empty((), dtype=dtype).element_size()
+        nbytes, own_bytes = max(numel, 1) * item, (own[0] * item, own[1] * item)
+        if self.failure is None:
+            try:
+                descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # whichever rank comes first creates it
+                try:
+                    os.ftruncate(descriptor, nbytes)  # the same size from every rank; no pages yet
+                    if own_bytes[1] > own_bytes[0]:  # ENOSPC now rather than SIGBUS on first touch
+                        os.posix_fallocate(descriptor, own_bytes[0], own_bytes[1] - own_bytes[0])
+                    mapping = mmap.mmap(descriptor, nbytes, mmap.MAP_SHARED)
+                finally:
+                    os.close(descriptor)
+                values = torch.frombuffer(mapping, dtype=dtype, count=max(numel, 1))[:numel]
+                return NodeSharedBuffer(values, own_bytes, mapping)
+            except OSError as error:
+                self.failure = f"rank {self.rank} could not reserve {nbytes} bytes in {SHM_DIR} ({error})"
+        return NodeSharedBuffer(torch.zeros(numel, dtype=dtype), own_bytes, None)
+
     def connect(self) -> bool:
         """Collective: map every peer's files, then unlink our own (mappings outlive the names). False, on every
         rank, with the reason in ``failure``, when some rank could not reserve its files or map a peer's (separate
@@ -106,29 +164,23 @@ class SharedShards:
         self.connected = self.failure is None
         if not self.connected:
             self._peers = []
-            self._peer_maps = {}
         return self.connected
 
     def _map(self, rank: int, key: int, numel: int, dtype: torch.dtype) -> Tensor:
         nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
         with open(self._path(rank, key), "r+b") as handle:  # FileNotFoundError: not the same /dev/shm
             mapping = mmap.mmap(handle.fileno(), nbytes, mmap.MAP_SHARED)
-        self._peer_maps.setdefault(key, []).append(mapping)
         return torch.frombuffer(mapping, dtype=dtype, count=max(numel, 1))[:numel]
 
-    def release_peers(self, key: int) -> None:
-        """Drop the peers' pages of ``key`` from this process's resident set after a gather read them: they stay
-        in shared memory (their owner maps them), so this costs a minor page fault per page at the next gather
-        and keeps each rank's RSS to what it owns instead of every peer's shards too."""
-        for mapping in self._peer_maps.get(key, ()):
-            mapping.madvise(mmap.MADV_DONTNEED)
-
     def discard_files(self) -> None:
-        """Remove this rank's file names (idempotent; also the clean-up when set-up fails half-way)."""
-        for key in range(len(self._own)):
+        """Remove this rank's file names and the node-shared buffers' (idempotent; also the clean-up when set-up
+        fails half-way)."""
+        paths = [self._path(self.rank, key) for key in range(len(self._own))]
+        paths += [os.path.join(SHM_DIR, f"zero-shards-{self._run}-full-{key}") for key in range(self._full_buffers)]
+        for path in paths:
             try:
-                os.unlink(self._path(self.rank, key))
-            except FileNotFoundError:
+                os.unlink(path)
+            except FileNotFoundError:  # a peer unlinked the shared buffer first
                 pass
 
     def shards(self, key: int) -> list[Tensor]:
@@ -142,12 +194,6 @@ class SharedShards:
     """Called before this rank changes its shards (optimizer step, checkpoint load): peers finished reading."""
     after_writes = barrier
     """Called after: peers may read the new values."""
-
-
-def gather_from_shards(output: Tensor, shards: list[Tensor]) -> None:
-    """Fill ``output`` (world × shard) with every rank's shard, converting to ``output``'s dtype."""
-    for chunk, shard in zip(output.chunk(len(shards)), shards, strict=True):
-        chunk.copy_(shard)
 
 
 def _first(failures: list[str | None]) -> str | None:
