@@ -6,7 +6,9 @@ and state in host memory; ``zero3_offload_nvme``: in files, stepped in chunks) i
 ``fused_optimizer=True`` (torch's fused kernel) against ``fused_optimizer=False`` (torch's default: the per-tensor
 loop on CPU), on the same gradients, after one untimed step that creates the optimizer state. The first row is
 the reference: the same model and optimizer without ZeRO (``optimizer.step()`` on the layers' own tensors, torch's
-default loop and ``fused=True``); the last column divides each fused rate by that row's default-loop rate.
+default loop and ``fused=True``); the last column divides each fused rate by that row's default-loop rate. Where
+DeepSpeed is installed and its CPU Adam op builds, a last row times ``DeepSpeedCPUAdam`` on the same layers (its
+C++ kernel, in memory) as the peer's reference rate.
 """
 
 from __future__ import annotations
@@ -44,6 +46,26 @@ def time_plain_step(params: int, fused: bool, steps: int) -> tuple[int, list[flo
     """(Ψ, seconds of each timed ``optimizer.step()``) without ZeRO."""
     model = _model(params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
+    model(torch.randn(1, WIDTH)).sum().backward()
+    optimizer.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return sum(p.numel() for p in model.parameters()), times
+
+
+def time_deepspeed_cpu_adam(params: int, steps: int) -> tuple[int, list[float]] | str:
+    """(Ψ, seconds of each timed step) of DeepSpeed's CPU Adam (AdamW mode) on the layers' own tensors, or why it
+    cannot run here (DeepSpeed missing, or its C++ op does not build)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+
+        model = _model(params)
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, adamw_mode=True)
+    except Exception as error:  # ImportError, or the op's build failing (no compiler, no CPU support)
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     model(torch.randn(1, WIDTH)).sum().backward()
     optimizer.step()
     times = []
@@ -99,6 +121,13 @@ def main(argv: list[str] | None = None) -> str:
             lines.append(f"| {name} | {psi:,} | {rates[False]:.0f} | {rates[True]:.0f} | "
                          f"{rates[True] / rates[False]:.2f}x | {rates[True] / reference:.2f}x |")
             print(lines[-1], flush=True)
+    deepspeed = time_deepspeed_cpu_adam(int(args.params), args.steps)
+    if isinstance(deepspeed, str):
+        lines.append(f"DeepSpeed's CPU Adam not measured: {deepspeed}")
+    else:
+        rate = deepspeed[0] / statistics.median(deepspeed[1]) / 1e6
+        lines.append(f"| DeepSpeed CPUAdam (in memory, AdamW mode) | {deepspeed[0]:,} | — | {rate:.0f} | — | "
+                     f"{rate / reference:.2f}x |")
     report = "\n".join(lines)
     print(report, flush=True)
     return report

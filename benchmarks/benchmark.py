@@ -329,7 +329,8 @@ bookkeeping, a slower optimizer loop; a sharded optimizer steps 1/N of the model
 negative). ddp = the user's AdamW(...) (torch's default loop on CPU); ddp_fused_adamw = AdamW(fused=True);
 zero* = the user's AdamW(...), which ZeRO steps with the fused kernel (fused_optimizer=True).
 Model state = distinct storages of parameters, .grad and optimizer.state after the last backward (DDP with
-gradient_as_bucket_view; ZeRO's figure agrees with memory_report). Bytes sent = the full buffer of each
+gradient_as_bucket_view; ZeRO's figure agrees with memory_report; zero3's shared-memory parameter buffers, one per
+host, count 1/N on each of its N ranks). Bytes sent = the full buffer of each
 all-gather / reduce-scatter / broadcast, twice the buffer of an all-reduce (zero*: engine comm_log; ddp: comm hook;
 zero_redundancy: comm hook + torch.distributed wrappers; fsdp2: wrappers). Peak RSS = VmHWM minus VmRSS at a reset
 (/proc/self/clear_refs) just before the model is built, each run in fresh processes, largest rank and repetition."""

@@ -10,9 +10,11 @@ import warnings
 import pytest
 import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
+from helpers.storage import mapped_pages
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.memory import memory_report
 from zero_strategy.core.transport import shared_shards
 from zero_strategy.testing import run_ranks
 
@@ -96,3 +98,66 @@ def test_a_rank_without_shared_shards_makes_every_rank_fall_back(sabotage):
     for got, expected in zip(results, reference, strict=True):
         torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
     assert _our_files() == []
+
+
+def in_place_worker(rank, world_size):
+    model = make_model(n_blocks=3, width=128)  # a block's slice spans many pages
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=False))
+    by_unit = {unit.name: unit.flat_params[0] for unit in engine.units}
+    blocks = [by_unit[f"blocks.{i}"] for i in range(3)]
+
+    def peers(flat):  # every rank's slice but ours
+        node = flat.node_shared
+        size = node.values.element_size()
+        return node.values[node.own_bytes[1] // size :] if rank == 0 else node.values[: node.own_bytes[0] // size]
+
+    # peer pages mapped, per block, in the middle of each block's forward and at the end of each block's backward
+    held = []
+    for i, block in enumerate(model.blocks):
+        block.fc.register_forward_hook(lambda *args, i=i: held.append(
+            ("forward", i, [mapped_pages(peers(flat))[0] for flat in blocks])))
+        block.register_full_backward_hook(lambda *args, i=i: held.append(
+            ("backward", i, [mapped_pages(peers(flat))[0] for flat in blocks])))
+    for (tokens,) in make_batches(2, 1, 8):
+        optimizer.zero_grad()
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+        engine.optimizer_step(optimizer)
+    flat = blocks[1]
+    node = flat.node_shared
+    assert node is not None
+    size = node.values.element_size()
+    own = node.values[node.own_bytes[0] // size : node.own_bytes[1] // size]
+    # the module's parameters are views of the node's buffer: nothing is gathered into a private copy
+    same_storage = all(p.untyped_storage().data_ptr() == node.values.untyped_storage().data_ptr() for p in flat.params)
+    # the master slice the optimizer stepped is this rank's slice of it
+    master_is_slice = flat.shard.data_ptr() == own.data_ptr()
+    released = (mapped_pages(own), mapped_pages(peers(flat)))
+    with engine.gathered_parameters():
+        total = sum(float(p.sum()) for p in flat.params)  # reads every rank's slice in place
+        in_use = mapped_pages(peers(flat))
+    report = memory_report(engine)
+    engine.release()
+    return {"same_storage": same_storage, "master_is_slice": master_is_slice, "released": released,
+            "in_use": in_use, "total": total, "report": report, "held": held}
+
+
+@pytest.mark.timeout(60)
+def test_parameters_are_read_in_place_and_peers_pages_leave_after_use():
+    """Stage 3 on one host: every rank's module views one buffer per unit (the master slice in it), so the ranks
+    see the same values without gathering; a released unit keeps only the rank's own pages resident."""
+    results = run_ranks(in_place_worker, 2, timeout_s=50)
+    for rank, result in enumerate(results):
+        assert result["same_storage"] and result["master_is_slice"], f"rank {rank}"
+        (own_mapped, own_pages), (peer_mapped, peer_pages) = result["released"]
+        assert own_mapped == own_pages, f"rank {rank}: its own slice stays resident"
+        # a page shared with the neighbour's slice stays mapped; every other peer page left
+        assert peer_mapped <= 1 and peer_pages > 2, f"rank {rank}: {peer_mapped}/{peer_pages} peer pages mapped"
+        assert result["in_use"][0] == result["in_use"][1], f"rank {rank}: peers' pages read in place"
+        for phase, i, pages in result["held"]:  # (a page shared with our own slice may stay: <= 1)
+            if phase == "forward":  # computing from the peers' pages in place; the blocks before it let theirs go
+                assert pages[i] > 1 and all(n <= 1 for n in pages[:i]), f"rank {rank}, {phase} {i}: {pages}"
+            else:  # the block and those after it finished their backward and let their peers' pages go
+                assert all(n <= 1 for n in pages[i:]), f"rank {rank}, {phase} {i}: {pages}"
+    assert results[0]["total"] == results[1]["total"]
+    assert results[0]["report"] == results[1]["report"]

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
-from helpers.storage import StorageTally, optimizer_params, optimizer_state_tensors
+from helpers.storage import (
+    StorageTally,
+    host_shared_storages,
+    optimizer_params,
+    optimizer_state_tensors,
+    private_storage_bytes,
+)
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
@@ -30,9 +36,10 @@ def _module_grads(model) -> list:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-def _param_bytes(model, optimizer) -> int:
-    """Every storage behind the model's parameters or the optimizer's (master) parameters, counted once."""
-    tally = StorageTally()
+def _param_bytes(model, optimizer, engine) -> int:
+    """Every storage behind the model's parameters or the optimizer's (master) parameters, counted once (a buffer
+    the host's ranks share counts 1/N)."""
+    tally = StorageTally(host_shared_storages(engine))
     return tally.bytes_of(list(model.parameters()) + optimizer_params(optimizer))
 
 
@@ -40,13 +47,13 @@ def memory_worker(rank, world_size, stage):
     model = make_model(**MODEL)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
-    out = {"params_at_rest": _param_bytes(model, optimizer)}
-    out["module_param_storage_at_rest"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    out = {"params_at_rest": _param_bytes(model, optimizer, engine)}
+    out["module_param_storage_at_rest"] = private_storage_bytes(model.parameters(), engine)
     (tokens,) = make_batches(1, 1, 8, vocab=MODEL["vocab"])[0]
     lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
     out["module_grads_after_backward"] = len(_module_grads(model))
     out["master_grad_bytes_after_backward"] = StorageTally().bytes_of(p.grad for p in optimizer_params(optimizer))
-    out["params_after_backward"] = _param_bytes(model, optimizer)
+    out["params_after_backward"] = _param_bytes(model, optimizer, engine)
     with engine.step_window(optimizer):  # on entry the reduced gradients are on the master pieces
         out["module_grads_after_prepare"] = len(_module_grads(model))
         out["grad_bytes_after_prepare"] = StorageTally().bytes_of(
@@ -56,7 +63,7 @@ def memory_worker(rank, world_size, stage):
     out["state_bytes"] = StorageTally().bytes_of(optimizer_state_tensors(optimizer))
     out["state_numel_big"] = sum(t.numel() for t in optimizer_state_tensors(optimizer, min_numel=2))
     out["exp_avg_numel"] = sum(s["exp_avg"].numel() for s in optimizer.state.values())
-    out["params_after_step"] = _param_bytes(model, optimizer)
+    out["params_after_step"] = _param_bytes(model, optimizer, engine)
     report = memory_report(engine)
     out["report"] = (report.parameters, report.gradients, report.optimizer_state)
     return out
@@ -191,7 +198,8 @@ def test_bytes_per_step(stage, world_size, accum):
 def unit_at_a_time_worker(rank, world_size, prefetch):
     model = make_model(n_blocks=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=prefetch))
+    # gathers through the network (on one host's CPU the units are read in place instead: test_shared_shards.py)
+    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=prefetch, collectives="point_to_point"))
     seen = []
 
     def whole():
@@ -210,7 +218,8 @@ def unit_at_a_time_worker(rank, world_size, prefetch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_stage3_gathers_one_unit_at_a_time(prefetch):
-    """Stage 3 keeps whole only the unit computing now (and, with prefetch, the next one)."""
+    """Stage 3 gathering through the network keeps whole only the unit computing now (and, with prefetch, the next
+    one)."""
     for rank, seen in enumerate(run_ranks(unit_at_a_time_worker, 2, prefetch, timeout_s=50)):
         for phase, i, whole in seen:
             if phase == "after backward":

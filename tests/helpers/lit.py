@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from helpers.models import SEQ, VOCAB, TiedLM, lm_loss
+from helpers.storage import private_storage_bytes
 
 N_TRAIN = 56  # 2 ranks × 7 batches of 4: accumulate_grad_batches=3 leaves a partial window of 1 each epoch
 N_VAL = 16
@@ -98,7 +99,9 @@ class LitTiedLM(pl.LightningModule):
             self.reports["memory"] = (report.parameters, report.gradients, report.optimizer_state)
             self.reports["communication"] = dict(strategy.communication_report())
         self.reports["global_step"] = self.trainer.global_step
-        self.reports["param_storage_bytes"] = sum(p.untyped_storage().nbytes() for p in self.parameters())
+        # storage of the module's own (a stage-3 buffer the host's ranks share in shared memory is not)
+        engine = getattr(strategy, "engine", None)
+        self.reports["param_storage_bytes"] = private_storage_bytes(self.parameters(), engine)
         self._dump("train", {"seen": self.seen, "grad_norms": self.grad_norms, "reports": self.reports})
 
     # ---------------------------------------------------------------------------------------- evaluation

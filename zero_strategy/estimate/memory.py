@@ -6,8 +6,12 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 - parameters (compute copies): stages 1/2 keep the whole padded flat buffer, cΨ. Stage 3 keeps nothing at rest;
   during forward/backward the root unit (embeddings, head: whatever is in no ``ModuleList`` child) stays whole,
   plus the unit computing and, with prefetch, the next one. The all-gather writes straight into those buffers, so
-  there is no separate gather buffer (prefetch adds one unit here, not to "communication").
-- master weights: the fp32 slice, 4Ψ/N; at stages 1/2 in fp32 without offload a view of the parameters (0 bytes).
+  there is no separate gather buffer (prefetch adds one unit here, not to "communication"). Stage 3 on CPU ranks
+  (assumed on one host) without offload instead keeps each unit's buffer once per host in shared memory and
+  reads it in place (see [Note: shared-memory gathers]): each rank is charged its own slice, cΨ/N, at rest and
+  at the peak alike (the peers' pages it maps while a unit is in use are theirs).
+- master weights: the fp32 slice, 4Ψ/N; a view of the parameters (0 bytes) in fp32 without offload at stages 1/2
+  and in stage 3's shared buffers.
 - gradients: stage 1 keeps full-size gradients until the step (fp32 ``.grad`` in fp32; under mixed precision an
   fp32 stash, so 4Ψ, where the paper counts 2Ψ); stages 2/3 keep only the fp32 slice 4Ψ/N (paper: 2Ψ/N).
 - optimizer state: bytes per fp32 master element from :data:`OPTIMIZER_STATE_BYTES`, on this rank's slice.
@@ -219,6 +223,13 @@ class _Setup:
         return not self.accelerator and self.world_size > 1 and not (self.stage.reshards_parameters and offloaded)
 
     @property
+    def shared_parameters(self) -> bool:
+        """Stage 3 on CPU ranks (assumed on one host) without offload: each unit's parameters once per host in
+        shared memory, this rank owning one slice, read in place (see [Note: shared-memory gathers])."""
+        one_host_cpus = not self.accelerator and self.world_size > 1
+        return self.stage.reshards_parameters and one_host_cpus and not self.has_placement
+
+    @property
     def has_placement(self) -> bool:
         """The engine builds a ``Placement`` (and never aliases the master) once anything is offloaded."""
         return OffloadDevice.none is not self.offload_optimizer or OffloadDevice.none is not self.offload_param
@@ -230,9 +241,11 @@ class _Setup:
         return self.accelerator and offloaded and self.offload_param is OffloadDevice.none
 
     def aliases(self, flat: FlatSpec) -> bool:
-        """Stages 1/2: the master slice is a view of ``full`` when both have one dtype and nothing is offloaded."""
+        """The master slice is a view of the parameters when both have one dtype and nothing is offloaded: of
+        ``full`` at stages 1/2, of the rank's slice of the shared buffer at stage 3 on one host."""
         same_dtype = flat.compute_dtype == flat.master_dtype
-        return not self.stage.reshards_parameters and same_dtype and not self.has_placement
+        kept_whole = not self.stage.reshards_parameters or self.shared_parameters
+        return kept_whole and same_dtype and not self.has_placement
 
     def master_at(self, nbytes: int) -> Placed:
         if self.offload_optimizer is OffloadDevice.nvme:
@@ -249,6 +262,8 @@ class _Setup:
 def _parameters(shape: ModelShape, s: _Setup) -> Placed:
     n = s.world_size
     device = sum(f.padded(n) * f.compute_dtype.itemsize for f in shape.flats)
+    if s.shared_parameters:  # this rank's slice of each shared buffer; the peers' slices are theirs
+        return Placed(device=sum(f.shard(n) * f.compute_dtype.itemsize for f in shape.flats))
     if s.stage.reshards_parameters:  # root + the unit computing (+ the next, prefetched), never more than the model
         whole = shape.root + shape.largest * (2 if s.prefetch else 1)
         device = min(device, sum(f.padded(n) * f.compute_dtype.itemsize for f in whole))
@@ -283,6 +298,8 @@ def _gather_staging(f: FlatSpec, s: _Setup) -> int:
     the buffer it writes); otherwise the slice is converted/moved to the compute dtype and device unless it already
     is there or a device copy is kept."""
     shard = f.shard(s.world_size)
+    if s.shared_parameters:  # nothing is gathered
+        return 0
     if s.aliases(f):
         return shard * f.master_dtype.itemsize
     if s.device_source:
@@ -318,11 +335,14 @@ def _notes(shape: ModelShape, s: _Setup, activations_known: bool) -> tuple[str, 
     offloaded = s.offload_optimizer is not OffloadDevice.none
     prefetched = " + the prefetched one" if s.prefetch else ""
     candidates = (
-        (any(s.aliases(f) for f in shape.flats), "fp32 stages 1/2: the master slice is a view of the parameters"),
+        (any(s.aliases(f) for f in shape.flats) and not s.shared_parameters,
+         "fp32 stages 1/2: the master slice is a view of the parameters"),
         (not s.stage.reduces_every_microstep,
          "stage 1 keeps full-size fp32 gradients until the step (paper: 2Ψ in mixed precision)"),
-        (s.stage.reshards_parameters,
+        (s.stage.reshards_parameters and not s.shared_parameters,
          f"stage 3: root unit + the unit computing{prefetched} are whole in forward/backward"),
+        (s.shared_parameters, "stage 3 on one host's CPUs: each unit's parameters once per host in shared memory, "
+         "this rank's slice (cΨ/N) its own and, in fp32, its master slice"),
         (s.device_source, "offloaded masters on a GPU: a compute-dtype copy of the slice (cΨ/N) stays on the device"),
         (s.offload_optimizer is OffloadDevice.nvme, "nvme: masters, gradient slices and optimizer state in files; "
          "one chunk of them is resident while stepping"),
