@@ -38,7 +38,7 @@ def gather_into_module(flat: FlatParam) -> None:
     flat.settle_gather()
     whole = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.full.device)
     all_gather_flat(whole, flat.shard.to(flat.full.device, copy=True), flat.ctx.group, flat.log)
-    flat.shard = flat.shard.clone()  # it may be a view of `full` or of a file, both dropped below
+    _own_shard(flat)  # it may be a view of `full` (private or shared) or of a file, all dropped below
     with torch.no_grad():
         for span, param in zip(flat.layout.spans, flat.params, strict=True):
             param.data = whole[span.offset : span.end].view(span.shape).clone()
@@ -50,12 +50,20 @@ def leave_sharded(flat: FlatParam) -> None:
     this rank's slice as the only copy of the weights (see [Note: releasing a model built sharded])."""
     flat.settle_gather()
     if flat.shard_is_borrowed:
-        flat.shard = flat.shard.clone()
+        _own_shard(flat)
     for param in flat.params:
         if not param.is_meta:
             placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
             torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
     flat.drop_full()
+
+
+def _own_shard(flat: FlatParam) -> None:
+    """Give the shard memory of its own, and the master pieces (the optimizer's parameters) views of it: nothing
+    keeps the dropped buffer (for stage 3 on one host, a host-wide shared buffer) alive."""
+    flat.shard = flat.shard.clone()
+    for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+        piece.data = flat.shard[offset : offset + piece.numel()]
 
 
 class ReleasedShards:
