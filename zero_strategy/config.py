@@ -51,11 +51,11 @@ class ZeroConfig:
 
     collectives: str = "auto"
     """How all-gathers and reduce-scatters run: "native" (the backend's own collectives), "point_to_point" (each
-    rank exchanges its chunks with every peer directly), "shared_memory" (every rank on one host's CPU: stage 3's
-    parameter shards live in /dev/shm and a gather is a copy; on x86-64 gradients are reduced, and stages 1/2
-    gather their updated slices, through buffers in /dev/shm too; not for stage 3 with offload) or "auto": on
-    gloo, shared memory where it applies and point-to-point otherwise (both measured faster than gloo's own
-    collectives), native elsewhere (NCCL's collectives are already optimal)."""
+    rank exchanges its chunks with every peer directly), "shared_memory" (every rank on one host's CPU: stage 3
+    keeps each unit's parameters once per host in /dev/shm and reads them in place, gathering nothing; on x86-64
+    gradients are reduced, and stages 1/2 gather their updated slices, through buffers in /dev/shm too; not for
+    stage 3 with offload) or "auto": on gloo, shared memory where it applies and point-to-point otherwise (both
+    measured faster than gloo's own collectives), native elsewhere (NCCL's collectives are already optimal)."""
 
     broadcast_buffers: bool = True
     """Broadcast rank 0's floating-point buffers (BatchNorm statistics) before each training forward, as DDP does."""

@@ -1,5 +1,5 @@
-"""Stage 3's shared-memory gathers: chosen where they apply, equal to network gathers, safe when ranks drift apart,
-and they leave nothing in /dev/shm."""
+"""Stage 3's host-wide shared parameters: chosen where they apply, equal to network gathers, safe when ranks drift
+apart, read in place, and they leave nothing in /dev/shm."""
 
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ def backward_prefetch_worker(rank, world_size):
     model = make_model(n_blocks=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # nested units: each block, and inside it its Linear (the hook order in backward is not reversed forward order);
-    # network gathers, whose start and end can be told apart (a shared-memory gather is done when it starts)
+    # network gathers, whose start and end can be told apart (on one host's CPU nothing would be gathered at all)
     config = ZeroConfig(stage=3, unit_modules=["Block", "Linear"], collectives="point_to_point")
     ZeroEngine(model, [optimizer], config)
     needed: list[tuple[int, str, bool]] = []  # (step, unit, was its gather already started when backward needed it)
@@ -291,8 +291,9 @@ def mixed_precision_memory_worker(rank, world_size, stage):
     model = make_model(**MODEL)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    # Point-to-point gathers: with shared-memory shards every rank also maps its peers' shard files, whose pages
-    # belong to (and are counted by) their owners, so a walk of this rank's tensors would count them twice.
+    # Point-to-point gathers: on one host's CPU every rank would otherwise view the host-wide parameter buffers,
+    # whose peers' slices belong to (and are counted by) their owners, so a walk of this rank's tensors would count
+    # them twice.
     config = ZeroConfig(stage=stage, collectives="point_to_point")
     engine = ZeroEngine(model, [optimizer], config, policy=policy)
     out = {}

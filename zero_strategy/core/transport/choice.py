@@ -1,6 +1,6 @@
 """How one engine's bytes travel, decided once when it is built: the process group and this rank's place in it,
-point-to-point exchanges or the backend's own collectives, shared-memory shards, and the watch over gathers that
-go through the network. The rest of the core reads the decision from :class:`Transport`; nothing else looks at
+point-to-point exchanges or the backend's own collectives, host-wide shared parameters, and the watch over gathers
+that go through the network. The rest of the core reads the decision from :class:`Transport`; nothing else looks at
 the backend."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def dist_context(layout: RankLayout, collectives: str) -> DistContext:
 def choose_shared_shards(
     ctx: DistContext, config: ZeroConfig, offloaded: bool, device: torch.device, model_bytes: int
 ) -> SharedShards | None:
-    """Shared-memory shards (see [Note: shared-memory gathers]) where asked for or, with "auto", where they
+    """Host-wide shared parameters (see [Note: shared-memory gathers]) where asked for or, with "auto", where they
     apply: stage 3, gloo, no offload, every rank of the shard group on one node (per the launcher's topology) and on
     this host's CPU. Collective."""
     choice = config.collectives
@@ -129,7 +129,7 @@ def shared_memory_unavailable(config: ZeroConfig, reason: str) -> None:
 
 def choose_gather_watch(ctx: DistContext, reshards: bool, shared: SharedShards | None) -> GatherWatch | None:
     """Stage 3 gathering through the network: watch for ranks that gather different units (see [Note:
-    diverging gathers] in gather_watch.py). Shared-memory gathers are local copies and need no watch."""
+    diverging gathers] in gather_watch.py). Parameters read in place from shared memory need no watch."""
     local = shared is not None and shared.connected
     if not reshards or local or ctx.world_size == 1:
         return None

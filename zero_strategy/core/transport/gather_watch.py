@@ -1,10 +1,11 @@
 """Stage 3 with network gathers: a wait that can never complete becomes an error on every rank within seconds.
 
 [Note: diverging gathers]
-At stage 3 a unit is gathered when this rank's forward or backward reaches it. With shared-memory shards that is a
-local copy, but through the network (``collectives="point_to_point"`` or ``"native"``, several hosts) every rank must
-take part in every gather. A rank whose forward calls a module its peers do not call (rank-dependent routing to
-experts that are separate units) gathers alone: nothing can ever complete that exchange.
+At stage 3 a unit is gathered when this rank's forward or backward reaches it. On one host's CPUs nothing is
+exchanged (the parameters are read in place from shared memory), but through the network
+(``collectives="point_to_point"`` or ``"native"``, several hosts) every rank must take part in every gather. A rank
+whose forward calls a module its peers do not call (rank-dependent routing to experts that are separate units)
+gathers alone: nothing can ever complete that exchange.
 
 Three defences, all off the common path:
 - gather tags carry the unit (a checksum of its first parameter's name), so two ranks' gathers of *different*
