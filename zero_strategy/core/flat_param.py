@@ -184,6 +184,8 @@ class FlatParam:
                 placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
                 torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
             param.data = view  # its own version counter (see [Note: views into one flat buffer])
+        if self._node is not None:
+            self._node.watch(self.names, self.params)
         if deferred and not options.keeps_full:
             self.reshard()
 
@@ -304,7 +306,7 @@ class FlatParam:
         if self.state is ShardState.SHARDED:
             return
         if self._node is not None:  # the buffer stays (it is the peers' too); its pages leave our resident set
-            self._node.release_peer_pages()
+            self._node.after_use()
         else:
             self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
@@ -316,9 +318,7 @@ class FlatParam:
         if self.keeps_full:
             return self.start_refresh_full_from_shards()
         if self._node is not None and not self.shard_aliases_full:  # our slice of the node's buffer, rounded
-            start, end = self.layout.shard_range(self.ctx.rank)
-            with torch.no_grad():
-                self.full[start:end].copy_(self.shard)
+            self.full[slice(*self.layout.shard_range(self.ctx.rank))].copy_(self.shard)
         self.reshard()
         if self.secondary is not None:
             self.secondary.mark_stale()
