@@ -42,10 +42,8 @@ def _configs(nvme_path: str) -> dict[str, dict[str, object]]:
     }
 
 
-def time_plain_step(params: int, fused: bool, steps: int) -> tuple[int, list[float]]:
-    """(Ψ, seconds of each timed ``optimizer.step()``) without ZeRO."""
-    model = _model(params)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
+def _time_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> tuple[int, list[float]]:
+    """(Ψ, seconds of each timed ``optimizer.step()`` on the model's own tensors), after one untimed step."""
     model(torch.randn(1, WIDTH)).sum().backward()
     optimizer.step()
     times = []
@@ -54,6 +52,12 @@ def time_plain_step(params: int, fused: bool, steps: int) -> tuple[int, list[flo
         optimizer.step()
         times.append(time.perf_counter() - start)
     return sum(p.numel() for p in model.parameters()), times
+
+
+def time_plain_step(params: int, fused: bool, steps: int) -> tuple[int, list[float]]:
+    """(Ψ, seconds of each timed ``optimizer.step()``) without ZeRO."""
+    model = _model(params)
+    return _time_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None), steps)
 
 
 def time_deepspeed_cpu_adam(params: int, steps: int) -> tuple[int, list[float]] | str:
@@ -66,14 +70,7 @@ def time_deepspeed_cpu_adam(params: int, steps: int) -> tuple[int, list[float]] 
         optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, adamw_mode=True)
     except Exception as error:  # ImportError, or the op's build failing (no compiler, no CPU support)
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    model(torch.randn(1, WIDTH)).sum().backward()
-    optimizer.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return sum(p.numel() for p in model.parameters()), times
+    return _time_optimizer(model, optimizer, steps)
 
 
 def time_step(params: int, options: dict[str, object], fused: bool, steps: int) -> tuple[int, list[float]]:
