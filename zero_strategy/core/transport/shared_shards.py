@@ -72,7 +72,7 @@ class NodeSharedBuffer:
                 "live once per host in shared memory, so a change every rank makes is applied once per rank: "
                 "clamping or copying in the same values is safe, scaling or adding to it compounds; under "
                 "bf16/fp16 the next optimizer step overwrites it. Change weights through the optimizer or a "
-                'checkpoint load, or use collectives="point_to_point".',
+                "checkpoint load instead.",
                 stacklevel=2,
             )
             self.watch([name for name, _, _ in self.watched], [param for _, param, _ in self.watched])
