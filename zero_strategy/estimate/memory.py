@@ -261,9 +261,9 @@ class _Setup:
 
 def _parameters(shape: ModelShape, s: _Setup) -> Placed:
     n = s.world_size
-    device = sum(f.padded(n) * f.compute_dtype.itemsize for f in shape.flats)
     if s.shared_parameters:  # this rank's slice of each shared buffer; the peers' slices are theirs
         return Placed(device=sum(f.shard(n) * f.compute_dtype.itemsize for f in shape.flats))
+    device = sum(f.padded(n) * f.compute_dtype.itemsize for f in shape.flats)
     if s.stage.reshards_parameters:  # root + the unit computing (+ the next, prefetched), never more than the model
         whole = shape.root + shape.largest * (2 if s.prefetch else 1)
         device = min(device, sum(f.padded(n) * f.compute_dtype.itemsize for f in whole))

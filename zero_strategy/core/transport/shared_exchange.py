@@ -86,7 +86,7 @@ class SharedExchange:
         self._counters: list[ctypes.c_int64] = []
         self._sequence = 0  # reductions posted by this rank
         self._in_flight: SharedExchangeOp | None = None
-        self._pids: list[int] = []
+        self._peers: list[tuple[int, str | None]] = []  # every rank's (pid, start time), when visible here
         self.failure: str | None = None
 
     @staticmethod
@@ -106,7 +106,7 @@ class SharedExchange:
             # (pid, start time): a peer in another PID namespace does not match, and then exits are not watched
             identities = all_gather_object((os.getpid(), _start_time(os.getpid())), self.group)
             visible = all(start is not None and _start_time(pid) == start for pid, start in identities)
-            self._pids = [pid for pid, _ in identities] if visible else []
+            self._peers = identities if visible else []
         return connected
 
     @property
@@ -197,7 +197,7 @@ class SharedExchange:
 
     def _check_peers(self, sequence: int, label: str, waited_s: float) -> None:
         missing = [rank for rank, counter in enumerate(self._counters) if counter.value < sequence]
-        exited = [rank for rank in missing if self._pids and not _alive(self._pids[rank])]
+        exited = [rank for rank in missing if self._peers and not _alive(*self._peers[rank])]
         if exited:
             raise SharedReductionError(
                 f"rank {self.rank}: the shared-memory reduction of unit {label!r} waits for rank(s) {exited}, whose "
@@ -256,8 +256,9 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` is running: a zombie (exited, not yet reaped by its parent, e.g. a rank launched by
-    rank 0 that waits here) counts as exited."""
+def _alive(pid: int, started: str | None) -> bool:
+    """Whether the process that had ``pid`` when it started at ``started`` is running: a zombie (exited, not yet
+    reaped by its parent, e.g. a rank launched by rank 0 that waits here) counts as exited, and so does a new process
+    that was given the same pid."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    return fields is not None and len(fields) > 19 and fields[19] == started and fields[0] not in ("Z", "X")
