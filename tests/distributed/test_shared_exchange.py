@@ -62,16 +62,19 @@ def test_shared_memory_exchanges_equal_point_to_point_bit_for_bit(stage, world_s
     network = run_ranks(train_worker, world_size, stage, "point_to_point", accum, bf16, None, timeout_s=200)
     flats, steps = len(shared[0]["through_shared"]), 3
     # what went through shared memory, per step: every FlatParam's reduction (stage 1 once per step, stages 2/3 per
-    # micro-batch) and, at stages 1/2, its gather of the updated slices
+    # micro-batch), at stages 1/2 its gather of the updated slices, the agreement on used parameters and, at stage
+    # 3, the two barriers around the step that guard the host-wide parameters
     reductions = 1 if stage == 1 else accum
     gathers = 0 if stage == 3 else 1
+    per_step = flats * (reductions + gathers) + 1 + (2 if stage == 3 else 0)
     for got, expected in zip(shared, network, strict=True):
         assert all(got["through_shared"]) and not any(expected["through_shared"])
-        assert got["posted"] == steps * flats * (reductions + gathers) and expected["posted"] == 0
+        assert got["posted"] == steps * per_step and expected["posted"] == 0
         torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
         for kind in ("reduce_scatter", "all_gather"):  # the log counts the same exchanges, whatever carried them
             assert [step[kind] for step in got["bytes"]] == [step[kind] for step in expected["bytes"]]
-        # (all_reduce differs at stage 3: network gathers add the divergence watch's per-step checksum)
+        if stage != 3:  # at stage 3 the network gathers add the divergence watch's per-step checksum
+            assert [step["all_reduce"] for step in got["bytes"]] == [step["all_reduce"] for step in expected["bytes"]]
 
 
 @pytest.mark.timeout(120)

@@ -219,8 +219,19 @@ class ZeroEngine:
         """Shards were overwritten (checkpoint load): make the module's parameters reflect them again."""
         for finish in [flat.start_publish_shard() for flat in self.flat_params]:
             finish()
-        if self.shared is not None:
-            self.shared.after_writes()
+        self._shared_write_barrier("checkpoint load")
+
+    def _shared_write_barrier(self, label: str) -> None:
+        """One of the barriers of the write rule of host-wide shared parameters (see [Note: shared-memory
+        gathers]): through the reductions' shared counters where this host has them (a post and a spin, no system
+        call), else the process group's barrier. Its waiting time is logged as blocked on "barrier"."""
+        if self.shared is None:
+            return
+        if self.exchange is not None:
+            self.exchange.barrier(self.comm_log, label)
+            return
+        with self.comm_log.blocking("barrier"):
+            self.shared.barrier()
 
     def _sync_buffers(self) -> None:
         """Adopt rank 0's buffers (DDP does this at wrap time and, by default, before every forward)."""
@@ -269,8 +280,7 @@ class ZeroEngine:
         self.reduce_pending(optimizer)
         # parameters that produced no gradient on any rank must not move
         self._unused_saved[index] = protect_unused(self._flat_params_of(index), optimizer)
-        if self.shared is not None:
-            self.shared.before_writes()  # peers are done reading our shards for this step
+        self._shared_write_barrier("before the optimizer step")  # peers are done reading our shards
 
     def reduce_pending(self, optimizer: Optimizer) -> None:
         """Reduce-scatter ``optimizer``'s gradients that are still on the module (stage 1 keeps them there until
@@ -288,7 +298,10 @@ class ZeroEngine:
         if index not in self._agreed:
             flats = list(self._flat_params_of(index))
             everyone = self.ctx.everyone  # a parameter used in one shard group is reduced over its replicas
-            self._collective("agreement on used parameters", lambda: agree_on_used(flats, everyone, self.comm_log))
+            exchange = self.exchange if self.ctx.replicas is None else None  # it spans the shard group only
+            self._collective(
+                "agreement on used parameters", lambda: agree_on_used(flats, everyone, self.comm_log, exchange)
+            )
             if self.watch is not None:
                 self.watch.check_same_gathers(self.comm_log)
             self._agreed.add(index)
@@ -395,8 +408,7 @@ class ZeroEngine:
             refreshing.append(flat.start_publish_shard())  # all gathers are posted before the first wait
         for finish in refreshing:
             finish()
-        if self.shared is not None:
-            self.shared.after_writes()  # our new shards are complete before any peer gathers them
+        self._shared_write_barrier("after the optimizer step")  # our new shards are complete before peers read
 
     # --------------------------------------------------------------------------------------------- access
     @contextmanager

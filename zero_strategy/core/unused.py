@@ -11,7 +11,8 @@ after the step.
 (mixture-of-experts routing, a branch taken on some batches) gets the average of every rank's gradient, zeros from
 the ranks that did not use it, and is stepped everywhere. Ranks agree once per optimizer step: each contributes a
 bitmap of the parameters it produced a gradient for since the last step, and one all-reduce (MAX, one byte per
-parameter tensor of the optimizer) gives every rank the same answer, so every rank steps the same elements.
+parameter tensor of the optimizer; through the shared-memory counters on one host's CPU ranks) gives every rank the
+same answer, so every rank steps the same elements.
 """
 
 from __future__ import annotations
@@ -30,20 +31,29 @@ from zero_strategy.core.transport.collectives import (
     ProcessGroup,
     all_reduce_max,
 )
+from zero_strategy.core.transport.shared_exchange import SharedExchange
 from zero_strategy.core.transport.streams import host_to_device
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
 
 
-def agree_on_used(flats: list[FlatParam], group: ProcessGroup, log: CommunicationLog) -> None:
-    """Collective: make every FlatParam's ``grad_seen`` mean "some rank produced a gradient for it this step"."""
+def agree_on_used(
+    flats: list[FlatParam], group: ProcessGroup, log: CommunicationLog, exchange: SharedExchange | None = None
+) -> None:
+    """Collective: make every FlatParam's ``grad_seen`` mean "some rank produced a gradient for it this step".
+    ``exchange``: the shared-memory exchange of exactly ``group``'s ranks, used instead of the process group where
+    the bitmap fits its arena."""
     for flat in flats:
         flat.note_local_use()
     seen = [seen for flat in flats for seen in flat.grad_seen]
     if not seen:
         return
-    bitmap = host_to_device(torch.tensor(seen, dtype=torch.uint8), collectives.collective_device(group), torch.uint8)
-    agreed_on_device = all_reduce_max(bitmap, group, log)
+    bitmap = torch.tensor(seen, dtype=torch.uint8)
+    if exchange is not None and exchange.fits(bitmap.numel()):
+        agreed_on_device = exchange.all_reduce_max(bitmap, log, "the used-parameter agreement")
+    else:
+        bitmap = host_to_device(bitmap, collectives.collective_device(group), torch.uint8)
+        agreed_on_device = all_reduce_max(bitmap, group, log)
     if all(seen):
         # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common
         # case (every parameter used here) costs no host synchronisation on a GPU.

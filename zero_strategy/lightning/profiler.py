@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "replica_all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "replica_all_reduce", "barrier")
 LINKS = ("intra_node", "inter_node")  # bytes this rank sent, by where the receiver sits (core/transport/topology.py)
 
 

@@ -26,6 +26,11 @@ timeout, or a peer process that exits, ends with :class:`SharedReductionError` n
 did not arrive. The wait spins briefly, then yields its core, then sleeps in short naps, so that ranks sharing a
 core (more ranks than cores) do not starve the peer they wait for.
 
+The same counters carry the engine's other per-step collectives between these ranks: the agreement on used
+parameters (a small all-reduce, :meth:`SharedExchange.all_reduce_max`) and, at stage 3, the two barriers of the
+host-wide parameters' write rule (:meth:`SharedExchange.barrier`). Each is one more sequence number, posted by every
+rank in the same order as the reductions, so the invariant above still holds.
+
 The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
 single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
 memory); the README's benchmark table has the figures.
@@ -57,6 +62,7 @@ _SPINS = 200  # polls before the wait yields its core (a peer that is microsecon
 _YIELD_S = 0.002  # then yields for this long before it starts to nap
 _NAP_S = 50e-6
 _LIVENESS_EVERY_S = 1.0
+_NOTHING = torch.empty(0)  # a barrier's result
 
 
 class SharedReductionError(RuntimeError):
@@ -133,7 +139,8 @@ class SharedExchange:
         exchange's ``wait()`` gives this rank's averaged chunk (a new tensor)."""
         log.record("reduce_scatter", flat.numel() * flat.element_size())
         log.record_sends("reduce_scatter", self.group, flat.numel() * flat.element_size() // self.world_size)
-        return self._post(log, "reduce_scatter", label, partial(self._sum_own_chunk, flat.numel(), flat.dtype))
+        finish = partial(self._sum_own_chunk, flat.numel(), flat.dtype)
+        return self._post(log, "reduce_scatter", f"reduce-scatter of unit {label!r}", finish)
 
     def start_gather(
         self, buffer: Tensor, output: Tensor, log: CommunicationLog, label: str, own_chunk_in_output: bool
@@ -143,11 +150,31 @@ class SharedExchange:
         log.record("all_gather", output.numel() * output.element_size())
         log.record_sends("all_gather", self.group, output.numel() * output.element_size() // self.world_size)
         finish = partial(self._copy_peer_chunks, output, buffer.dtype, own_chunk_in_output)
-        return self._post(log, "all_gather", label, finish)
+        return self._post(log, "all_gather", f"all-gather of unit {label!r}", finish)
 
-    def _post(self, log: CommunicationLog, kind: str, label: str, finish: Callable[[int], Tensor]) -> SharedExchangeOp:
+    def all_reduce_max(self, values: Tensor, log: CommunicationLog, label: str) -> Tensor:
+        """The element-wise maximum of a small 1-D ``values`` over the ranks, as a new tensor: each rank posts its
+        copy at the start of its own arena and reads every rank's (callers check :meth:`fits` first)."""
+        count, nbytes = values.numel(), values.numel() * values.element_size()
+        self.next_buffer(count, values.dtype).copy_(values)
+        log.record("all_reduce", nbytes)
+        log.record_sends("all_reduce", self.group, 2 * nbytes // self.world_size)
+
+        def maximum(sequence: int) -> Tensor:
+            return torch.stack(self._arenas(sequence, count, values.dtype)).amax(0)
+
+        return self._post(log, "all_reduce", f"all-reduce of {label}", maximum).wait()
+
+    def barrier(self, log: CommunicationLog, label: str) -> None:
+        """Every rank reached this point: a post of the next sequence number with no bytes, then the wait (no
+        round trip through gloo's I/O threads, whose barrier and small all-reduce cost far more than this spin)."""
+        if self._in_flight is not None:  # at most one exchange in flight: see the Note
+            self._in_flight.complete()
+        self._post(log, "barrier", f"barrier {label}", lambda sequence: _NOTHING).wait()
+
+    def _post(self, log: CommunicationLog, kind: str, what: str, finish: Callable[[int], Tensor]) -> SharedExchangeOp:
         self._sequence += 1
-        operation = SharedExchangeOp(self, self._sequence, log, kind, label, finish)
+        operation = SharedExchangeOp(self, self._sequence, log, kind, what, finish)
         self._counters[self.rank].value = self._sequence  # after the bytes it publishes: see the Note
         self._in_flight = operation
         return operation
@@ -177,7 +204,7 @@ class SharedExchange:
         if self._in_flight is operation:
             self._in_flight = None
 
-    def wait_for_peers(self, sequence: int, label: str) -> None:
+    def wait_for_peers(self, sequence: int, what: str) -> None:
         """Spin, then yield, then nap until every rank posted ``sequence``."""
         counters = self._counters
         for _ in range(_SPINS):
@@ -193,19 +220,19 @@ class SharedExchange:
             time.sleep(_NAP_S)
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
-                self._check_peers(sequence, label, now - start)
+                self._check_peers(sequence, what, now - start)
 
-    def _check_peers(self, sequence: int, label: str, waited_s: float) -> None:
+    def _check_peers(self, sequence: int, what: str, waited_s: float) -> None:
         missing = [rank for rank, counter in enumerate(self._counters) if counter.value < sequence]
         exited = [rank for rank in missing if self._peers and not _alive(*self._peers[rank])]
         if exited:
             raise SharedReductionError(
-                f"rank {self.rank}: the shared-memory reduction of unit {label!r} waits for rank(s) {exited}, whose "
+                f"rank {self.rank}: the shared-memory {what} waits for rank(s) {exited}, whose "
                 "process exited; see that rank's error."
             )
         if waited_s > self.timeout_s:
             raise SharedReductionError(
-                f"rank {self.rank}: rank(s) {missing} did not reach the shared-memory reduction of unit {label!r} "
+                f"rank {self.rank}: rank(s) {missing} did not reach the shared-memory {what} "
                 f"within process_group_timeout_s={self.timeout_s:g} s. Every rank must run the same backward passes "
                 "and optimizer steps; if a rank is only slow, raise process_group_timeout_s."
             )
@@ -215,14 +242,14 @@ class SharedExchangeOp:
     """One exchange posted through shared memory; ``wait()`` returns its result (see the ``start_*`` methods)."""
 
     def __init__(
-        self, exchange: SharedExchange, sequence: int, log: CommunicationLog, kind: str, label: str,
+        self, exchange: SharedExchange, sequence: int, log: CommunicationLog, kind: str, what: str,
         finish: Callable[[int], Tensor],
     ) -> None:
         self._exchange = exchange
         self._sequence = sequence
         self._log = log
         self._kind = kind
-        self._label = label
+        self._what = what
         self._finish = finish
         self._result: Tensor | None = None
 
@@ -231,7 +258,7 @@ class SharedExchangeOp:
         if self._result is not None:
             return
         with self._log.blocking(self._kind):
-            self._exchange.wait_for_peers(self._sequence, self._label)
+            self._exchange.wait_for_peers(self._sequence, self._what)
         self._result = self._finish(self._sequence)
         self._exchange.completed(self)
 

@@ -11,7 +11,8 @@ between (each rank copying every peer's slice into a private buffer each time a 
 bf16/fp16 the master shard stays private and each step writes its rounded copy into the slice.
 
 Correctness rests on one rule: a rank writes its slice only between the two barriers that bracket an optimizer
-step (:meth:`SharedShards.before_writes` / :meth:`SharedShards.after_writes`), and after a checkpoint load or
+step (the engine's ``_shared_write_barrier``: a post and a spin on the shared counters of [Note: shared-memory
+reductions] where the host has them, else the process group's barrier), and after a checkpoint load or
 construction. Every read happens in forward/backward or in ``gathered_parameters``, outside that window, on every
 rank.
 
@@ -212,12 +213,8 @@ class SharedShards:
         return self._peers[key]
 
     def barrier(self) -> None:
+        """The process group's barrier, for the write rule where no shared counters exist (see the Note)."""
         barrier(self.group)
-
-    before_writes = barrier
-    """Called before this rank changes its shards (optimizer step, checkpoint load): peers finished reading."""
-    after_writes = barrier
-    """Called after: peers may read the new values."""
 
 
 def _first(failures: list[str | None]) -> str | None:
