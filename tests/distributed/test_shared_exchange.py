@@ -1,6 +1,6 @@
 """Shared-memory reductions (and stages 1/2's shared-memory gathers): bit-identical to the point-to-point path at
 every stage, with accumulation, low-precision reduction and FlatParams too large for the arenas; the same bytes in
-the log; a missing or dead peer is an error that names the unit, not a hang."""
+the log; a missing or dead peer is an error that names what was waited for, not a hang."""
 
 from __future__ import annotations
 
@@ -118,6 +118,38 @@ def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected):
     assert outcome["message"], "the waiting rank must raise instead of hanging"
     assert re.search(expected, outcome["message"]), outcome["message"]
     assert outcome["seconds"] < 4.5  # the sleeping rank is still alive then: the timeout, not its exit, stopped us
+
+
+def skipped_step_worker(rank, world_size, how):
+    model = make_model(n_blocks=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, process_group_timeout_s=1.0))
+    assert engine.exchange is not None and engine.shared is not None
+    (tokens,) = make_batches(1, 1, 4)[0]
+    lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+    if rank == 1:  # backward done, but it never steps: still running, or its process ends
+        if how == "sleeps":
+            time.sleep(5)
+        return None
+    started = time.monotonic()
+    try:
+        with engine.step_window(optimizer):
+            optimizer.step()
+    except shared_exchange.SharedReductionError as error:
+        return {"message": str(error), "seconds": time.monotonic() - started}
+    return {"message": "", "seconds": time.monotonic() - started}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "expected"), [("sleeps", r"rank\(s\) \[1\] did not reach.*used-parameter agreement.*"
+                                                "process_group_timeout_s=1"), ("exits", r"rank\(s\) \[1\].*exited")])
+def test_a_peer_that_skips_the_step_is_an_error_naming_the_agreement(how, expected):
+    """The per-step collectives that go through the shared counters (the agreement on used parameters, stage 3's
+    barriers around the step) fail like the reductions: within the timeout, saying what was waited for."""
+    outcome = run_ranks(skipped_step_worker, 2, how, timeout_s=40, pg_timeout_s=20)[0]
+    assert outcome["message"], "the waiting rank must raise instead of hanging"
+    assert re.search(expected, outcome["message"]), outcome["message"]
+    assert outcome["seconds"] < 4.5
 
 
 def test_explicit_shared_memory_is_accepted_at_stages_1_and_2_and_refused_at_stage_3_with_offload():
