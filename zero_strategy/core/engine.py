@@ -31,6 +31,7 @@ from zero_strategy.core.compile_check import warn_compiled_around_units
 from zero_strategy.core.flat_param import FlatParam
 from zero_strategy.core.hooks import RuntimeHooks
 from zero_strategy.core.hybrid import adopt_first_replica, average_over_replicas
+from zero_strategy.core.in_place_watch import OVERWRITTEN
 from zero_strategy.core.materialize import (
     InitialValues,
     check_materializable,
@@ -217,6 +218,8 @@ class ZeroEngine:
 
     def after_load(self) -> None:
         """Shards were overwritten (checkpoint load): make the module's parameters reflect them again."""
+        for flat in self.flat_params:
+            flat.in_place.forget()  # the load replaces whatever was changed before it: nothing to warn about
         for finish in [flat.start_publish_shard() for flat in self.flat_params]:
             finish()
         self._shared_write_barrier("checkpoint load")
@@ -404,6 +407,8 @@ class ZeroEngine:
         refreshing = []
         for flat in self._flat_params_of(index):
             flat.grad_seen = [False] * len(flat.params)
+            if flat.keeps_full and not flat.shard_aliases_full:  # the masters overwrite the parameters next
+                flat.in_place.check(OVERWRITTEN)  # see [Note: in-place changes outside the optimizer]
             flat.refresh_device_source()
             refreshing.append(flat.start_publish_shard())  # all gathers are posted before the first wait
         for finish in refreshing:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from zero_strategy.config import OffloadDevice
 from zero_strategy.core.flat_grads import flatten_grads
 from zero_strategy.core.hierarchical import SecondaryCopy
+from zero_strategy.core.in_place_watch import GATHERED, HOST_WIDE, InPlaceWatch
 from zero_strategy.core.layout import FlatLayout, group_ranges
 from zero_strategy.core.offload import Placement
 from zero_strategy.core.transport.choice import DistContext
@@ -184,8 +185,7 @@ class FlatParam:
                 placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
                 torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
             param.data = view  # its own version counter (see [Note: views into one flat buffer])
-        if self._node is not None:
-            self._node.watch(self.names, self.params)
+        self.in_place = InPlaceWatch(self.names, self.params)  # see [Note: in-place changes outside the optimizer]
         if deferred and not options.keeps_full:
             self.reshard()
 
@@ -305,8 +305,9 @@ class FlatParam:
             self._land_gather()
         if self.state is ShardState.SHARDED:
             return
+        self.in_place.check(HOST_WIDE if self._node is not None else GATHERED)
         if self._node is not None:  # the buffer stays (it is the peers' too); its pages leave our resident set
-            self._node.after_use()
+            self._node.release_peer_pages()
         else:
             self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED

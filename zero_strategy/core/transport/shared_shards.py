@@ -37,9 +37,7 @@ import mmap
 import os
 import socket
 import uuid
-import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -56,28 +54,6 @@ class NodeSharedBuffer:
     values: Tensor  # every rank's slice side by side; private memory when the reservation failed
     own_bytes: tuple[int, int]  # [start, end) of this rank's slice, in bytes
     mapping: mmap.mmap | None  # None: private memory
-    watched: list[tuple[str, Tensor, int]] = field(default_factory=list)  # (name, module parameter, its version)
-
-    def watch(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
-        """Remember the version counters of the module's parameters (views of this buffer): only an in-place
-        change outside the optimizer moves them (the optimizer and the engine write through other views)."""
-        self.watched = [(name, param, param._version) for name, param in zip(names, params, strict=True)]
-
-    def after_use(self) -> None:
-        """The unit was released: warn about parameters changed in place since the last check, and drop the peers'
-        pages (:meth:`release_peer_pages`)."""
-        changed = [name for name, param, version in self.watched if param._version != version]
-        if changed:  # every rank making the change applies it to the same memory (see the README's known limits)
-            warnings.warn(
-                f"ZeRO stage 3 on one host: {', '.join(changed)} changed in place outside the optimizer. Its values "
-                "live once per host in shared memory, so a change every rank makes is applied once per rank: "
-                "clamping or copying in the same values is safe, scaling or adding to it compounds; under "
-                "bf16/fp16 the next optimizer step overwrites it. Change weights through the optimizer or a "
-                "checkpoint load instead.",
-                stacklevel=2,
-            )
-            self.watch([name for name, _, _ in self.watched], [param for _, param, _ in self.watched])
-        self.release_peer_pages()
 
     def release_peer_pages(self) -> None:
         """Drop the peers' pages from this process's resident set (they stay in shared memory); this rank's own
