@@ -13,6 +13,7 @@ from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
 from zero_strategy.checkpoint.pretrained import load_pretrained  # noqa: E402
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
 from zero_strategy.core.engine import ZeroEngine  # noqa: E402
+from zero_strategy.core.in_place_watch import InPlaceChangeWarning  # noqa: E402
 from zero_strategy.core.memory import MemoryReport  # noqa: E402
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
 from zero_strategy.version import library_version  # noqa: E402
@@ -20,6 +21,7 @@ from zero_strategy.version import library_version  # noqa: E402
 __version__ = library_version()
 
 __all__ = [
+    "InPlaceChangeWarning",
     "MemoryReport",
     "OffloadDevice",
     "ZeroConfig",
