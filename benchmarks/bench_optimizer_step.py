@@ -7,8 +7,10 @@ and state in host memory; ``zero3_offload_nvme``: in files, stepped in chunks) i
 loop on CPU), on the same gradients, after one untimed step that creates the optimizer state. The first row is
 the reference: the same model and optimizer without ZeRO (``optimizer.step()`` on the layers' own tensors, torch's
 default loop and ``fused=True``); the last column divides each fused rate by that row's default-loop rate. Where
-DeepSpeed is installed and its CPU Adam op builds, a last row times ``DeepSpeedCPUAdam`` on the same layers (its
-C++ kernel, in memory) as the peer's reference rate.
+DeepSpeed is installed and its CPU Adam op builds, a row times ``DeepSpeedCPUAdam`` on the same layers (its
+C++ kernel, in memory) as the peer's reference rate, and where its async_io op builds too (libaio), a last row
+times DeepSpeed's own NVMe optimizer offload, the peer's counterpart of ``zero3_offload_nvme`` (see
+benchmarks/bench_deepspeed_nvme.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import torch
 from torch import nn
 
+from benchmarks.bench_deepspeed_nvme import time_deepspeed_nvme_step
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 
@@ -125,6 +128,14 @@ def main(argv: list[str] | None = None) -> str:
         rate = deepspeed[0] / statistics.median(deepspeed[1]) / 1e6
         lines.append(f"| DeepSpeed CPUAdam (in memory, AdamW mode) | {deepspeed[0]:,} | — | {rate:.0f} | — | "
                      f"{rate / reference:.2f}x |")
+    with tempfile.TemporaryDirectory(prefix="bench-ds-nvme-") as nvme_path:
+        swapped = time_deepspeed_nvme_step(_model(int(args.params)), torch.randn(1, WIDTH), args.steps, nvme_path)
+    if isinstance(swapped, str):
+        lines.append(f"DeepSpeed's NVMe offload not measured: {swapped}")
+    else:
+        rate = swapped[0] / statistics.median(swapped[1]) / 1e6
+        lines.append(f"| DeepSpeed ZeRO-3 offload_optimizer nvme (its CPU Adam) | {swapped[0]:,} | — | {rate:.0f} | "
+                     f"— | {rate / reference:.2f}x |")
     report = "\n".join(lines)
     print(report, flush=True)
     return report
