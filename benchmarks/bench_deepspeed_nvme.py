@@ -7,13 +7,18 @@ Configured as a user would: stage 3 (DeepSpeed creates an optimizer swapper only
 device keeps the state in memory), ``offload_optimizer: {device: nvme}``, its default ``aio`` settings, the other
 rows' AdamW hyper-parameters (lr 1e-3, weight decay 0.01), fp32, one process. Timed like our rows:
 ``engine.step()`` alone, after one untimed step that creates the state; each step has its own forward and
-backward before it (DeepSpeed's step needs fresh gradients), which are not timed.
+backward before it (DeepSpeed's step needs fresh gradients), which are not timed. Each measurement runs in a
+process of its own (:func:`measure_in_subprocess`): DeepSpeed keeps process-group handles in module globals that a
+second initialisation in the same process trips over.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -65,3 +70,33 @@ def time_deepspeed_nvme_step(model: nn.Module, sample: torch.Tensor, steps: int,
     finally:
         if started_here:
             dist.destroy_process_group()
+
+
+def measure_in_subprocess(params: int, steps: int) -> tuple[int, list[float]] | str:
+    """:func:`time_deepspeed_nvme_step` on bench_optimizer_step's model of ``params`` parameters, in a fresh
+    process (see the module docstring)."""
+    command = [sys.executable, "-m", "benchmarks.bench_deepspeed_nvme", str(params), str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"exit status {done.returncode}: {tail}"
+    result = json.loads(lines[-1])
+    return result if isinstance(result, str) else (int(result[0]), [float(t) for t in result[1]])
+
+
+def main() -> None:
+    """``python -m benchmarks.bench_deepspeed_nvme PARAMS STEPS``: prints the result as one JSON line."""
+    import tempfile
+
+    from benchmarks.bench_optimizer_step import WIDTH, _model
+
+    torch.set_num_threads(1)  # like every row of bench_optimizer_step
+    params, steps = int(sys.argv[1]), int(sys.argv[2])
+    with tempfile.TemporaryDirectory(prefix="bench-ds-nvme-") as nvme_path:
+        result = time_deepspeed_nvme_step(_model(params), torch.randn(1, WIDTH), steps, nvme_path)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

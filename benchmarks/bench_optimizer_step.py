@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.bench_deepspeed_nvme import time_deepspeed_nvme_step
+from benchmarks.bench_deepspeed_nvme import measure_in_subprocess
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 
@@ -97,45 +97,74 @@ def time_step(params: int, options: dict[str, object], fused: bool, steps: int) 
         engine.release()
 
 
+Timing = tuple[int, list[float]]
+
+
+def _rate(timing: Timing) -> float:
+    """Millions of elements per second, from the median step."""
+    return timing[0] / statistics.median(timing[1]) / 1e6
+
+
+def _one_round(params: int, steps: int, nvme_path: str) -> dict[str, float | str]:
+    """Every setting once, in table order: ``"<row>/<default|fused>"`` → M elements/s, or why a peer row cannot
+    run here."""
+    rates: dict[str, float | str] = {}
+    for name, options in _configs(nvme_path).items():
+        for fused in (False, True):
+            rates[f"{name}/{'fused' if fused else 'default'}"] = _rate(time_step(params, options, fused, steps))
+            gc.collect()
+    cpu_adam = time_deepspeed_cpu_adam(params, steps)
+    rates[f"{DS_CPU_ADAM}/fused"] = cpu_adam if isinstance(cpu_adam, str) else _rate(cpu_adam)
+    swapped = measure_in_subprocess(params, steps)
+    rates[f"{DS_NVME}/fused"] = swapped if isinstance(swapped, str) else _rate(swapped)
+    gc.collect()
+    return rates
+
+
+DS_CPU_ADAM = "DeepSpeed CPUAdam (in memory, AdamW mode)"
+DS_NVME = "DeepSpeed ZeRO-3 offload_optimizer nvme (its CPU Adam)"
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_optimizer_step", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--params", type=float, default=100e6, help="parameters (default 100e6)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per setting")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per setting and round")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="rounds; each times every row once, in turn, so that a slow spell of a shared machine "
+                             "falls on every row alike (the table shows the median round)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the benchmark's ranks use 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    lines = [f"torch {torch.__version__}, {args.threads} thread(s), AdamW, median of {args.steps} steps",
-             "| setting | Ψ | default loop M elements/s | fused M elements/s | fused / default, same setting | "
-             "fused / torch alone's default loop |", "|---|---|---|---|---|---|"]
-    reference = 0.0
+    psi = sum(p.numel() for p in _model(int(args.params)).parameters())
+    rounds: list[dict[str, float | str]] = []
     with tempfile.TemporaryDirectory(prefix="bench-nvme-") as nvme_path:
-        for name, options in _configs(nvme_path).items():
-            rates = {}
-            for fused in (False, True):
-                psi, times = time_step(int(args.params), options, fused, args.steps)
-                rates[fused] = psi / statistics.median(times) / 1e6
-                gc.collect()
-            reference = reference or rates[False]
-            lines.append(f"| {name} | {psi:,} | {rates[False]:.0f} | {rates[True]:.0f} | "
-                         f"{rates[True] / rates[False]:.2f}x | {rates[True] / reference:.2f}x |")
-            print(lines[-1], flush=True)
-    deepspeed = time_deepspeed_cpu_adam(int(args.params), args.steps)
-    if isinstance(deepspeed, str):
-        lines.append(f"DeepSpeed's CPU Adam not measured: {deepspeed}")
-    else:
-        rate = deepspeed[0] / statistics.median(deepspeed[1]) / 1e6
-        lines.append(f"| DeepSpeed CPUAdam (in memory, AdamW mode) | {deepspeed[0]:,} | — | {rate:.0f} | — | "
-                     f"{rate / reference:.2f}x |")
-    with tempfile.TemporaryDirectory(prefix="bench-ds-nvme-") as nvme_path:
-        swapped = time_deepspeed_nvme_step(_model(int(args.params)), torch.randn(1, WIDTH), args.steps, nvme_path)
-    if isinstance(swapped, str):
-        lines.append(f"DeepSpeed's NVMe offload not measured: {swapped}")
-    else:
-        rate = swapped[0] / statistics.median(swapped[1]) / 1e6
-        lines.append(f"| DeepSpeed ZeRO-3 offload_optimizer nvme (its CPU Adam) | {swapped[0]:,} | — | {rate:.0f} | "
-                     f"— | {rate / reference:.2f}x |")
+        for _ in range(args.reps):
+            rounds.append(_one_round(int(args.params), args.steps, nvme_path))
+
+    def median(key: str) -> float | str:
+        values = [entry[key] for entry in rounds]
+        numbers = [value for value in values if isinstance(value, float)]
+        return statistics.median(numbers) if len(numbers) == len(values) else next(
+            value for value in values if isinstance(value, str))
+
+    lines = [f"torch {torch.__version__}, {args.threads} thread(s), AdamW, Ψ = {psi:,}; each rate from the median "
+             f"of {args.steps} steps, the median of {args.reps} interleaved rounds",
+             "| setting | default loop M elements/s | fused M elements/s | fused / default, same setting | "
+             "fused / torch alone's default loop |", "|---|---|---|---|---|"]
+    reference = median(f"{next(iter(_configs('')))}/default")
+    assert isinstance(reference, float)
+    for name in _configs(""):
+        default, fused = median(f"{name}/default"), median(f"{name}/fused")
+        assert isinstance(default, float) and isinstance(fused, float)
+        lines.append(f"| {name} | {default:.0f} | {fused:.0f} | {fused / default:.2f}x | {fused / reference:.2f}x |")
+    for name in (DS_CPU_ADAM, DS_NVME):
+        rate = median(f"{name}/fused")
+        if isinstance(rate, str):
+            lines.append(f"{name}: not measured ({rate})")
+        else:
+            lines.append(f"| {name} | — | {rate:.0f} | — | {rate / reference:.2f}x |")
     report = "\n".join(lines)
     print(report, flush=True)
     return report
