@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -113,6 +114,7 @@ def _one_round(params: int, steps: int, nvme_path: str) -> dict[str, float | str
         for fused in (False, True):
             rates[f"{name}/{'fused' if fused else 'default'}"] = _rate(time_step(params, options, fused, steps))
             gc.collect()
+            os.sync()  # the nvme rows' dirty file pages are written back now, not during the next row's timing
     cpu_adam = time_deepspeed_cpu_adam(params, steps)
     rates[f"{DS_CPU_ADAM}/fused"] = cpu_adam if isinstance(cpu_adam, str) else _rate(cpu_adam)
     swapped = measure_in_subprocess(params, steps)
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> str:
             lines.append(f"{name}: not measured ({rate})")
         else:
             lines.append(f"| {name} | — | {rate:.0f} | — | {rate / reference:.2f}x |")
+    lines.append("Every round (M elements/s): " + "; ".join(
+        f"{key} " + "/".join(f"{entry[key]:.0f}" if isinstance(entry[key], float) else "-" for entry in rounds)
+        for key in rounds[0]))
     report = "\n".join(lines)
     print(report, flush=True)
     return report
