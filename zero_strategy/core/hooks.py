@@ -18,6 +18,10 @@ A unit's reduce-scatter is only started when its last gradient lands; it is wait
 starts, or at the end of backward. On gloo the point-to-point exchange runs on gloo's I/O thread, so the ranks
 need not meet at every unit: backward of the next unit computes while the bytes move, and a rank that is a little
 behind costs the other rank nothing until the wait. At most two units' flattened gradients are alive at once.
+Reductions through one host's shared-memory arenas hold no memory of their own while in flight, and are not waited
+for at the next unit: the exchange reads each one as soon as every rank posted it and lets a rank run a few
+reductions ahead of a slower peer (see [Note: shared-memory reductions]), so the ranks' backward passes do not
+meet at every unit; all are finished at the end of backward.
 
 [Note: collective order]
 Every rank must issue collectives in the same order, and take part in every one, even where the set of parameters
@@ -119,7 +123,7 @@ class RuntimeHooks:
         self.backward_order: list[ZeroUnit] = []  # recorded during the first backward (see [Note: prefetch])
         self._backward_order_recorded = False
         self._callback_queued = False
-        self._reducing: ZeroUnit | None = None  # the unit whose reduce-scatter is in flight
+        self._reducing: list[ZeroUnit] = []  # units whose reduce-scatters are in flight, in start order
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
@@ -256,12 +260,13 @@ class RuntimeHooks:
 
     def _start_reduce(self, unit: ZeroUnit) -> None:
         """Start ``unit``'s reduction on every rank's behalf: a FlatParam this rank has no gradient for sends zeros,
-        because a peer may have one. Waiting for the previous unit first bounds the memory of flattened gradients
-        in flight to two units (see [Note: overlapped reduction])."""
-        if self._reducing is not None:
-            self._reducing.finish_reduce()
+        because a peer may have one. Waiting first for the previous unit's reduction when it went through the
+        network bounds the memory of flattened gradients in flight to two units (see [Note: overlapped
+        reduction])."""
+        if self._reducing and not self._reducing[-1].reduces_in_shared_memory():
+            self._reducing.pop().finish_reduce()
         unit.start_reduce(force=FlatParam.requires_grad_now)
-        self._reducing = unit
+        self._reducing.append(unit)
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -273,9 +278,9 @@ class RuntimeHooks:
         if self.stage.reduces_every_microstep:
             for unit in self.reduction_order.end_of_backward():
                 self._start_reduce(unit)
-        if self._reducing is not None:
-            self._reducing.finish_reduce()
-            self._reducing = None
+        for unit in self._reducing:
+            unit.finish_reduce()
+        self._reducing = []
         if self.stage.reduces_every_microstep:
             self.reduction_order.settle()
         for unit in self.units:

@@ -17,8 +17,8 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 - optimizer state: bytes per fp32 master element from :data:`OPTIMIZER_STATE_BYTES`, on this rank's slice.
 - communication: transient buffers of the largest unit — the flat reduce buffer, the reduce-scatter output, the
   gather source copy and, at stages 2/3, the ``.grad`` tensors waiting for the reduction (the root's wait longest).
-  CPU ranks reduce through two shared-memory arenas of the largest flattened gradient instead of the flat buffer
-  (see [Note: shared-memory reductions]); they are held for the whole run.
+  CPU ranks reduce through ``ARENAS`` (3) shared-memory arenas of the largest flattened gradient instead of the flat
+  buffer (see [Note: shared-memory reductions]); they are held for the whole run.
 - offload "cpu": masters, gradient slices and optimizer state move to host memory, but on a GPU a compute-dtype
   copy of the slice (cΨ/N) stays on the device so gathers need no host-to-device copy (unless ``offload_param``).
   "nvme": masters, gradient slices and optimizer state go to files, a chunk of them resident while the optimizer
@@ -40,7 +40,7 @@ from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precision
 from zero_strategy.core.sharding import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES
+from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES, ARENAS
 from zero_strategy.estimate.activations import measure_activation_bytes
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
@@ -217,8 +217,9 @@ class _Setup:
 
     @property
     def shared_reductions(self) -> bool:
-        """CPU ranks (assumed on one x86-64 host) reduce through two shared-memory arenas of the largest flattened
-        gradient each, held for the whole run (see [Note: shared-memory reductions]); not stage 3 with offload."""
+        """CPU ranks (assumed on one x86-64 host) reduce through ``ARENAS`` shared-memory arenas of the largest
+        flattened gradient each, held for the whole run (see [Note: shared-memory reductions]); not stage 3 with
+        offload."""
         offloaded = self.offload_optimizer is not OffloadDevice.none or self.offload_param is not OffloadDevice.none
         return not self.accelerator and self.world_size > 1 and not (self.stage.reshards_parameters and offloaded)
 
@@ -321,11 +322,11 @@ def _reduce_buffers(f: FlatSpec, s: _Setup) -> int:
 def _communication(shape: ModelShape, s: _Setup) -> Placed:
     unit = max((shape.root, shape.largest), key=lambda flats: sum(f.numel for f in flats))
     nbytes = sum(_gather_staging(f, s) + (_reduce_buffers(f, s) if f.trainable else 0) for f in unit)
-    if s.shared_reductions:  # the two arenas, sized for the largest flattened gradient under the cap
+    if s.shared_reductions:  # the arenas, each sized for the largest flattened gradient under the cap
         n = s.world_size
         sizes = [f.padded(n) * (s.reduce_dtype or f.compute_dtype).itemsize
                  for f in shape.root + shape.largest if f.trainable]  # fmt: skip
-        nbytes += 2 * max([size for size in sizes if size <= ARENA_CAP_BYTES], default=0)
+        nbytes += ARENAS * max([size for size in sizes if size <= ARENA_CAP_BYTES], default=0)
     if s.stage.reduces_every_microstep:  # .grad of the unit being finished and of the root (its gradient lands last)
         nbytes += sum(f.numel * f.compute_dtype.itemsize for f in shape.largest + shape.root if f.trainable)
     return Placed(device=nbytes)

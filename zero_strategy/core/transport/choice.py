@@ -22,7 +22,7 @@ from zero_strategy.core.transport.collectives import (
     prefers_point_to_point,
 )
 from zero_strategy.core.transport.gather_watch import GatherWatch
-from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES, SharedExchange, spin_sync_is_sound
+from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES, ARENAS, SharedExchange, spin_sync_is_sound
 from zero_strategy.core.transport.shared_shards import SharedShards
 from zero_strategy.core.transport.topology import ParamGroup, RankLayout, Replicas, Topology, build_rank_layout
 
@@ -157,7 +157,7 @@ def choose_shared_exchange(
         return None
     explicit = choice == "shared_memory" and not config.zero_stage.reshards_parameters  # nothing else is shared
     arena_bytes = max(fitting)
-    reason = f"/dev/shm has no room for {2 * arena_bytes * ctx.world_size / 2**20:.0f} MiB of reduction buffers"
+    reason = f"/dev/shm has no room for {ARENAS * arena_bytes * ctx.world_size / 2**20:.0f} MiB of reduction buffers"
     if not ctx.one_node or not spin_sync_is_sound():
         if explicit:
             why = ("its ranks are not all on one node" if not ctx.one_node else

@@ -3,20 +3,24 @@
 [Note: shared-memory reductions]
 Through gloo, a reduce-scatter costs each rank a kernel copy of every byte it sends and receives on the TCP
 loopback, plus gloo's I/O threads competing with the compute for the same cores. On one host the ranks can read each
-other's gradients instead: every rank owns two *arenas* in ``/dev/shm`` (each the size of the largest flattened
-gradient), and a reduction is
+other's gradients instead: every rank owns ``ARENAS`` (3) *arenas* in ``/dev/shm`` (each the size of the largest
+flattened gradient) and two shared int64 counters only it writes, *posted* and *done*, and a reduction is
 
-1. the FlatParam flattens its gradients straight into this rank's next arena (no extra copy);
-2. the rank posts the reduction's sequence number in its *counter*, a shared int64 only it writes;
-3. it waits until every peer's counter reached that number, then sums its own chunk of every rank's arena, in rank
-   order (the same sums as the point-to-point path: the results are bit-identical to it).
+1. the FlatParam flattens its gradients straight into this rank's arena ``s % ARENAS`` for exchange ``s`` (no extra
+   copy);
+2. the rank sets its *posted* counter to ``s``;
+3. once every rank's *posted* reached ``s``, it sums its own chunk of every rank's arena, in rank order (the same
+   sums as the point-to-point path: the results are bit-identical to it), and sets its *done* counter to ``s``.
 
-Why two arenas and one counter suffice: a rank completes reduction ``s - 1`` before it writes reduction ``s``
-(:meth:`SharedExchange.next_buffer` completes the one in flight), and it posts ``s`` only after that. So when a rank
-writes arena ``s % 2`` for reduction ``s``, it has seen every peer post ``s - 1``, and each peer had finished reading
-every arena for ``s - 2`` (the same arena) before posting ``s - 1``. At most one reduction is in flight per rank;
-the hooks' order of posting and waiting is unchanged (a stage 2/3 unit's reduction is completed when the next one
-starts, as before).
+A rank reads (step 3) its exchanges in sequence order, and as early as it can: whenever it posts or asks for an
+arena, it reads every exchange in flight that all ranks have posted, without waiting. Why the arenas are safe to
+reuse: before a rank writes arena ``s % ARENAS`` again for exchange ``s``, it reads its own exchange
+``s - ARENAS`` (the arena's last use) and waits until every peer's *done* reached ``s - ARENAS``
+(:meth:`SharedExchange.next_buffer`); *done* only moves after a rank's reads. Why this pays: the slower rank finds
+its faster peer's posts already there, reads at once and moves its *done* along, so the faster rank can post up to
+``ARENAS - 1`` exchanges ahead of it before it waits. A stage 2/3 backward therefore does not meet its peers at
+every unit (as a lock-step of one exchange in flight would): the ranks wait for each other once, at the end of
+backward, where the last reductions are read (see [Note: overlapped reduction] in hooks.py).
 
 Why spinning on a counter is sound here: it relies on the processor making a rank's plain stores visible to other
 cores in program order (the gradient bytes before the counter) and its loads in order. x86-64 guarantees both
@@ -29,14 +33,14 @@ core (more ranks than cores) do not starve the peer they wait for.
 The same counters carry the engine's other per-step collectives between these ranks: the agreement on used
 parameters (a small all-reduce, :meth:`SharedExchange.all_reduce_max`) and, at stage 3, the two barriers of the
 host-wide parameters' write rule (:meth:`SharedExchange.barrier`). Each is one more sequence number, posted by every
-rank in the same order as the reductions, so the invariant above still holds.
+rank in the same order as the reductions; a barrier first reads every exchange in flight.
 
 The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
 single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
 memory); the README's benchmark table has the figures.
 
-What stays point-to-point: a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would cost two copies of it per
-rank for the whole run), stage 3 when its gathers go through the network (the divergence watch of
+What stays point-to-point: a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would cost ``ARENAS`` copies of it
+per rank for the whole run), stage 3 when its gathers go through the network (the divergence watch of
 gather_watch.py must see every wait), hybrid replicas' all-reduce, and every rank not on one host.
 """
 
@@ -46,6 +50,7 @@ import ctypes
 import os
 import platform
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 
@@ -55,8 +60,10 @@ from torch import Tensor
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, all_gather_object
 from zero_strategy.core.transport.shared_shards import SharedShards
 
+ARENAS = 3
+"""Arenas per rank: a rank can post up to ``ARENAS - 1`` exchanges ahead of the slowest peer's reading."""
 ARENA_CAP_BYTES = 256 * 2**20
-"""Largest flattened gradient reduced through shared memory (each rank holds two arenas of this size at most)."""
+"""Largest flattened gradient reduced through shared memory (each rank holds ``ARENAS`` arenas of this size at most)."""
 _COUNTER_STRIDE = 8  # int64s per counter: each rank's counter on a cache line of its own
 _SPINS = 200  # polls before the wait yields its core (a peer that is microseconds away)
 _YIELD_S = 0.002  # then yields for this long before it starts to nap
@@ -88,27 +95,28 @@ class SharedExchange:
         self.group = group
         self._segments = SharedShards(group, rank, world_size, src_rank)
         self._counter_key = self._segments.allocate(_COUNTER_STRIDE, torch.int64)[1]
-        self._arena_keys = [self._segments.allocate(arena_bytes, torch.uint8)[1] for _ in range(2)]
-        self._counters: list[ctypes.c_int64] = []
-        self._sequence = 0  # reductions posted by this rank
-        self._in_flight: SharedExchangeOp | None = None
+        self._arena_keys = [self._segments.allocate(arena_bytes, torch.uint8)[1] for _ in range(ARENAS)]
+        self._posted: list[ctypes.c_int64] = []  # per rank: the last exchange it posted
+        self._done: list[ctypes.c_int64] = []  # per rank: the last exchange it finished reading
+        self._sequence = 0  # exchanges posted by this rank
+        self._in_flight: deque[SharedExchangeOp] = deque()  # posted, not yet read; in sequence order
+        self._last_log = CommunicationLog()  # the engine's, once it posted: where arena waits are logged
         self._peers: list[tuple[int, str | None]] = []  # every rank's (pid, start time), when visible here
         self.failure: str | None = None
 
     @staticmethod
     def usable(group: ProcessGroup, device: torch.device, arena_bytes: int, world_size: int) -> bool:
         """Collective: every rank computes on this host's CPU and ``/dev/shm`` has room for everyone's arenas."""
-        return SharedShards.usable(group, device, world_size * 2 * arena_bytes)
+        return SharedShards.usable(group, device, world_size * ARENAS * arena_bytes)
 
     def connect(self) -> bool:
         """Collective: map every peer's arenas and counter (False on every rank when some rank cannot)."""
         connected = self._segments.connect()
         self.failure = self._segments.failure
         if connected:
-            self._counters = [
-                ctypes.c_int64.from_address(counter.data_ptr())
-                for counter in self._segments.shards(self._counter_key)
-            ]
+            counters = self._segments.shards(self._counter_key)
+            self._posted = [ctypes.c_int64.from_address(counter.data_ptr()) for counter in counters]
+            self._done = [ctypes.c_int64.from_address(counter.data_ptr() + 8) for counter in counters]
             # (pid, start time): a peer in another PID namespace does not match, and then exits are not watched
             identities = all_gather_object((os.getpid(), _start_time(os.getpid())), self.group)
             visible = all(start is not None and _start_time(pid) == start for pid, start in identities)
@@ -124,11 +132,24 @@ class SharedExchange:
         return nbytes <= self.arena_bytes
 
     def next_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """This rank's arena for its next exchange, as ``numel`` elements of ``dtype``: the exchange in flight is
-        completed first (see [Note: shared-memory reductions] for why that makes the arena free)."""
-        if self._in_flight is not None:
-            self._in_flight.complete()
-        return self._view(self._arena_keys[(self._sequence + 1) % 2], self.rank, numel, dtype)
+        """This rank's arena for its next exchange, as ``numel`` elements of ``dtype``, once it is free: every rank
+        (this one included) finished reading the exchange that used it ``ARENAS`` sequence numbers ago (see [Note:
+        shared-memory reductions])."""
+        sequence = self._sequence + 1
+        self._complete_arrived()
+        reused = sequence - ARENAS
+        while self._in_flight and self._in_flight[0].sequence <= reused:
+            self._in_flight[0].complete()
+        if reused > 0 and any(counter.value < reused for counter in self._done):
+            with self._last_log.blocking("barrier"):  # waiting for a slower peer, as at a barrier
+                self._wait(self._done, reused, f"release of the arena of exchange {reused}")
+        return self._view(self._arena_keys[sequence % ARENAS], self.rank, numel, dtype)
+
+    def _complete_arrived(self) -> None:
+        """Read, in order, the exchanges in flight that every rank has posted (no waiting): a rank that reads
+        early frees its peers' arenas early, so a faster peer can run up to ``ARENAS - 1`` exchanges ahead."""
+        while self._in_flight and all(counter.value >= self._in_flight[0].sequence for counter in self._posted):
+            self._in_flight[0].complete()
 
     def _view(self, key: int, rank: int, numel: int, dtype: torch.dtype) -> Tensor:
         nbytes = numel * dtype.itemsize
@@ -167,20 +188,23 @@ class SharedExchange:
 
     def barrier(self, log: CommunicationLog, label: str) -> None:
         """Every rank reached this point: a post of the next sequence number with no bytes, then the wait (no
-        round trip through gloo's I/O threads, whose barrier and small all-reduce cost far more than this spin)."""
-        if self._in_flight is not None:  # at most one exchange in flight: see the Note
-            self._in_flight.complete()
+        round trip through gloo's I/O threads, whose barrier and small all-reduce cost far more than this spin).
+        The exchanges in flight are read first."""
+        while self._in_flight:
+            self._in_flight[0].complete()
         self._post(log, "barrier", f"barrier {label}", lambda sequence: _NOTHING).wait()
 
     def _post(self, log: CommunicationLog, kind: str, what: str, finish: Callable[[int], Tensor]) -> SharedExchangeOp:
         self._sequence += 1
+        self._last_log = log
         operation = SharedExchangeOp(self, self._sequence, log, kind, what, finish)
-        self._counters[self.rank].value = self._sequence  # after the bytes it publishes: see the Note
-        self._in_flight = operation
+        self._posted[self.rank].value = self._sequence  # after the bytes it publishes: see the Note
+        self._in_flight.append(operation)
+        self._complete_arrived()
         return operation
 
     def _arenas(self, sequence: int, numel: int, dtype: torch.dtype) -> list[Tensor]:
-        key = self._arena_keys[sequence % 2]
+        key = self._arena_keys[sequence % ARENAS]
         return [self._view(key, rank, numel, dtype) for rank in range(self.world_size)]
 
     def _sum_own_chunk(self, numel: int, dtype: torch.dtype, sequence: int) -> Tensor:
@@ -200,13 +224,24 @@ class SharedExchange:
                 chunks[rank].copy_(arena.chunk(self.world_size)[rank])
         return output
 
+    def complete_in_order(self, operation: SharedExchangeOp) -> None:
+        """Read every exchange posted before ``operation`` that is still in flight (reads happen in sequence
+        order, which is what ``done`` promises)."""
+        while self._in_flight and self._in_flight[0] is not operation:
+            self._in_flight[0].complete()
+
     def completed(self, operation: SharedExchangeOp) -> None:
-        if self._in_flight is operation:
-            self._in_flight = None
+        """``operation``'s reads are finished: tell the peers (they may reuse its arenas)."""
+        if self._in_flight and self._in_flight[0] is operation:
+            self._in_flight.popleft()
+        self._done[self.rank].value = operation.sequence  # after the reads: x86 keeps loads before later stores
 
     def wait_for_peers(self, sequence: int, what: str) -> None:
         """Spin, then yield, then nap until every rank posted ``sequence``."""
-        counters = self._counters
+        self._wait(self._posted, sequence, what)
+
+    def _wait(self, counters: list[ctypes.c_int64], sequence: int, what: str) -> None:
+        """Spin, then yield, then nap until every rank's counter in ``counters`` reached ``sequence``."""
         for _ in range(_SPINS):
             if all(counter.value >= sequence for counter in counters):
                 return
@@ -220,10 +255,10 @@ class SharedExchange:
             time.sleep(_NAP_S)
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
-                self._check_peers(sequence, what, now - start)
+                self._check_peers(counters, sequence, what, now - start)
 
-    def _check_peers(self, sequence: int, what: str, waited_s: float) -> None:
-        missing = [rank for rank, counter in enumerate(self._counters) if counter.value < sequence]
+    def _check_peers(self, counters: list[ctypes.c_int64], sequence: int, what: str, waited_s: float) -> None:
+        missing = [rank for rank, counter in enumerate(counters) if counter.value < sequence]
         exited = [rank for rank in missing if self._peers and not _alive(*self._peers[rank])]
         if exited:
             raise SharedReductionError(
@@ -253,10 +288,16 @@ class SharedExchangeOp:
         self._finish = finish
         self._result: Tensor | None = None
 
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
     def complete(self) -> None:
-        """Wait until every rank posted this exchange, then read what it needs from their arenas."""
+        """Wait until every rank posted this exchange, then read what it needs from their arenas (the exchanges
+        posted before it first)."""
         if self._result is not None:
             return
+        self._exchange.complete_in_order(self)
         with self._log.blocking(self._kind):
             self._exchange.wait_for_peers(self._sequence, self._what)
         self._result = self._finish(self._sequence)
