@@ -15,6 +15,7 @@ from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
 from zero_strategy.core.transport import shared_exchange
+from zero_strategy.core.transport.collectives import CommunicationLog
 from zero_strategy.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not shared_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")
@@ -150,6 +151,34 @@ def test_a_peer_that_skips_the_step_is_an_error_naming_the_agreement(how, expect
     assert outcome["message"], "the waiting rank must raise instead of hanging"
     assert re.search(expected, outcome["message"]), outcome["message"]
     assert outcome["seconds"] < 4.5
+
+
+def slack_worker(rank, world_size, late_s):
+    exchange = shared_exchange.SharedExchange(None, rank, world_size, 0, 4096, 20.0)
+    assert exchange.connect()
+    log = CommunicationLog()
+    if rank == 1:  # a peer that is late to every exchange
+        time.sleep(late_s)
+    started, posted_after, operations = time.monotonic(), [], []
+    for index in range(shared_exchange.ARENAS + 1):
+        buffer = exchange.next_buffer(8, torch.float32)
+        buffer.fill_(10 * index + rank)
+        operations.append(exchange.start_reduce(buffer, log, f"unit {index}"))
+        posted_after.append(time.monotonic() - started)
+    return {"posted_after": posted_after, "results": [operation.wait().tolist() for operation in operations]}
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_posts_up_to_the_arena_count_ahead_of_a_late_peer_and_then_waits():
+    """The protocol's slack: ``ARENAS`` exchanges go out at once while the peer is away, the next waits for the
+    peer to read the first (its arena is reused), and every result is the average of both ranks' values."""
+    late_s = 1.5
+    fast, _ = run_ranks(slack_worker, 2, late_s, timeout_s=40)
+    *ahead, blocked = fast["posted_after"]
+    assert max(ahead) < late_s / 3, fast["posted_after"]
+    assert blocked > late_s * 0.8, fast["posted_after"]
+    for index, result in enumerate(fast["results"]):
+        assert result == [10 * index + 0.5] * 4  # rank 0's chunk: (own + peer's) / 2
 
 
 def test_explicit_shared_memory_is_accepted_at_stages_1_and_2_and_refused_at_stage_3_with_offload():

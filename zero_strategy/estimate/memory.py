@@ -17,7 +17,7 @@ not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ran
 - optimizer state: bytes per fp32 master element from :data:`OPTIMIZER_STATE_BYTES`, on this rank's slice.
 - communication: transient buffers of the largest unit — the flat reduce buffer, the reduce-scatter output, the
   gather source copy and, at stages 2/3, the ``.grad`` tensors waiting for the reduction (the root's wait longest).
-  CPU ranks reduce through ``ARENAS`` (3) shared-memory arenas of the largest flattened gradient instead of the flat
+  CPU ranks reduce through ``ARENAS`` (2) shared-memory arenas of the largest flattened gradient instead of the flat
   buffer (see [Note: shared-memory reductions]); they are held for the whole run.
 - offload "cpu": masters, gradient slices and optimizer state move to host memory, but on a GPU a compute-dtype
   copy of the slice (cΨ/N) stays on the device so gathers need no host-to-device copy (unless ``offload_param``).

@@ -3,7 +3,7 @@
 [Note: shared-memory reductions]
 Through gloo, a reduce-scatter costs each rank a kernel copy of every byte it sends and receives on the TCP
 loopback, plus gloo's I/O threads competing with the compute for the same cores. On one host the ranks can read each
-other's gradients instead: every rank owns ``ARENAS`` (3) *arenas* in ``/dev/shm`` (each the size of the largest
+other's gradients instead: every rank owns ``ARENAS`` (2) *arenas* in ``/dev/shm`` (each the size of the largest
 flattened gradient) and two shared int64 counters only it writes, *posted* and *done*, and a reduction is
 
 1. the FlatParam flattens its gradients straight into this rank's arena ``s % ARENAS`` for exchange ``s`` (no extra
@@ -18,9 +18,10 @@ reuse: before a rank writes arena ``s % ARENAS`` again for exchange ``s``, it re
 ``s - ARENAS`` (the arena's last use) and waits until every peer's *done* reached ``s - ARENAS``
 (:meth:`SharedExchange.next_buffer`); *done* only moves after a rank's reads. Why this pays: the slower rank finds
 its faster peer's posts already there, reads at once and moves its *done* along, so the faster rank can post up to
-``ARENAS - 1`` exchanges ahead of it before it waits. A stage 2/3 backward therefore does not meet its peers at
-every unit (as a lock-step of one exchange in flight would): the ranks wait for each other once, at the end of
-backward, where the last reductions are read (see [Note: overlapped reduction] in hooks.py).
+``ARENAS`` exchanges ahead of it before it waits (one, when each exchange was read before the next was posted). A
+stage 2/3 backward therefore does not meet its peers at every unit: small drifts between the ranks' backward
+passes are absorbed, and the ranks wait for each other at the end of backward, where the last reductions are read
+(see [Note: overlapped reduction] in hooks.py).
 
 Why spinning on a counter is sound here: it relies on the processor making a rank's plain stores visible to other
 cores in program order (the gradient bytes before the counter) and its loads in order. x86-64 guarantees both
@@ -60,8 +61,9 @@ from torch import Tensor
 from zero_strategy.core.transport.collectives import CommunicationLog, ProcessGroup, all_gather_object
 from zero_strategy.core.transport.shared_shards import SharedShards
 
-ARENAS = 3
-"""Arenas per rank: a rank can post up to ``ARENAS - 1`` exchanges ahead of the slowest peer's reading."""
+ARENAS = 2
+"""Arenas per rank: a rank can post up to ``ARENAS`` exchanges ahead of the slowest peer (more arenas, more slack,
+at one largest flattened gradient of ``/dev/shm`` each)."""
 ARENA_CAP_BYTES = 256 * 2**20
 """Largest flattened gradient reduced through shared memory (each rank holds ``ARENAS`` arenas of this size at most)."""
 _COUNTER_STRIDE = 8  # int64s per counter: each rank's counter on a cache line of its own
@@ -147,7 +149,7 @@ class SharedExchange:
 
     def _complete_arrived(self) -> None:
         """Read, in order, the exchanges in flight that every rank has posted (no waiting): a rank that reads
-        early frees its peers' arenas early, so a faster peer can run up to ``ARENAS - 1`` exchanges ahead."""
+        early frees its peers' arenas early, so a faster peer can run up to ``ARENAS`` exchanges ahead."""
         while self._in_flight and all(counter.value >= self._in_flight[0].sequence for counter in self._posted):
             self._in_flight[0].complete()
 
