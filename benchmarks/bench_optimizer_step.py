@@ -99,6 +99,8 @@ def time_step(params: int, options: dict[str, object], fused: bool, steps: int) 
 
 
 Timing = tuple[int, list[float]]
+DS_CPU_ADAM = "DeepSpeed CPUAdam (in memory, AdamW mode)"
+DS_NVME = "DeepSpeed ZeRO-3 offload_optimizer nvme (its CPU Adam)"
 
 
 def _rate(timing: Timing) -> float:
@@ -121,10 +123,6 @@ def _one_round(params: int, steps: int, nvme_path: str) -> dict[str, float | str
     rates[f"{DS_NVME}/fused"] = swapped if isinstance(swapped, str) else _rate(swapped)
     gc.collect()
     return rates
-
-
-DS_CPU_ADAM = "DeepSpeed CPUAdam (in memory, AdamW mode)"
-DS_NVME = "DeepSpeed ZeRO-3 offload_optimizer nvme (its CPU Adam)"
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -330,12 +330,8 @@ class FlatParam:
         if not self.keeps_full:
             self.reshard()
 
-    def refresh_full_from_shards(self) -> None:
-        """Stage 1/2: after an optimizer step, rebuild the (always allocated) ``full`` from the updated shards."""
-        self.start_refresh_full_from_shards()()
-
     def start_refresh_full_from_shards(self) -> Callable[[], None]:
-        """Start :meth:`refresh_full_from_shards`'s gather; call the returned function to wait for it."""
+        """Stages 1/2 after a step: start gathering the updated shards into ``full``; the returned function waits."""
         assert self.state is ShardState.UNSHARDED
         exchange, full = self.exchange, self.full
         pending: PendingGather | SharedExchangeOp
@@ -412,7 +408,7 @@ class FlatParam:
         self.finish_reduce()
         dtype = self.reduce_dtype or self.full.dtype
         exchange = self.exchange
-        if exchange is not None and exchange.fits(self.reduce_bytes):  # see [Note: shared-memory reductions]
+        if exchange is not None and self.reduces_in_shared_memory:
             arena = exchange.next_buffer(self.layout.padded_numel, dtype)
             self._pending_reduce = exchange.start_reduce(flatten_grads(self, dtype, arena), self.log, self.label)
             return
@@ -422,6 +418,11 @@ class FlatParam:
         watch = self.watch
         if watch is not None:
             self._pending_reduce.watch(lambda work: watch.watched("reduce", self.label, work))
+
+    @property
+    def reduces_in_shared_memory(self) -> bool:
+        """Its reductions go through the host's shared-memory arenas (see [Note: shared-memory reductions])."""
+        return self.exchange is not None and self.exchange.fits(self.reduce_bytes)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction started by :meth:`start_reduce` and accumulate this rank's slice (in fp32, where
@@ -475,8 +476,7 @@ class FlatParam:
 
     def note_local_use(self) -> None:
         """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
-        pairs = zip(self.grad_seen, self.params, strict=True)
-        self.grad_seen = [seen or param.grad is not None for seen, param in pairs]
+        self.grad_seen = [seen or p.grad is not None for seen, p in zip(self.grad_seen, self.params, strict=True)]
 
     def requires_grad_now(self) -> bool:
         """Whether autograd can produce a gradient for this FlatParam at all (a GAN toggles ``requires_grad``)."""

@@ -130,7 +130,7 @@ class ZeroUnit:
     def reduces_in_shared_memory(self) -> bool:
         """Every reduction of this unit goes through the host's shared-memory arenas, so none holds private memory
         while in flight (see [Note: overlapped reduction] in hooks.py)."""
-        return all(flat.exchange is not None and flat.exchange.fits(flat.reduce_bytes) for flat in self.flat_params)
+        return all(flat.reduces_in_shared_memory for flat in self.flat_params)
 
     def expected_grads(self) -> int:
         """How many post-accumulate-grad hooks a backward that reaches every parameter fires."""
