@@ -68,6 +68,8 @@ class LitTiedLM(pl.LightningModule):
         for p in self.get_submodule(FROZEN).parameters():
             p.requires_grad_(False)
         self.idx_metric = torchmetrics.MeanMetric()
+        # a plain tensor attribute changed in place (as a metric's state is): each rank must count only its own
+        self.batches_counted = torch.zeros((), dtype=torch.int64)
         self.out_dir = out_dir
         self.seen: list[list[int]] = []
         self.grad_norms: list[float] = []
@@ -82,6 +84,7 @@ class LitTiedLM(pl.LightningModule):
         self.idx_metric.update(idx.float())
         self.log("idx_metric", self.idx_metric, on_step=False, on_epoch=True)
         self.seen[-1].extend(idx.tolist())
+        self.batches_counted += 1
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -102,6 +105,7 @@ class LitTiedLM(pl.LightningModule):
         # storage of the module's own (a stage-3 buffer the host's ranks share in shared memory is not)
         engine = getattr(strategy, "engine", None)
         self.reports["param_storage_bytes"] = private_storage_bytes(self.parameters(), engine)
+        self.reports["batches_counted"] = int(self.batches_counted)
         self._dump("train", {"seen": self.seen, "grad_norms": self.grad_norms, "reports": self.reports})
 
     # ---------------------------------------------------------------------------------------- evaluation

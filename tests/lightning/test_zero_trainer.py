@@ -91,6 +91,16 @@ def test_logging_is_synced_across_ranks(runs, name):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", SPAWN_NAMES)
+def test_each_rank_updates_its_own_tensors(runs, name):
+    """A tensor attribute changed in place (as a torchmetrics state is) counts each rank's own 14 batches, and the
+    main process's module is left alone: spawned ranks must not share it through shared memory."""
+    model, _, out_dir = runs(name)
+    assert [r["reports"]["batches_counted"] for r in read_rank_files(out_dir, "train")] == [14, 14]
+    assert int(model.batches_counted) == 0
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", SPAWN_NAMES)
 def test_distributed_sampler_splits_the_data(runs, name):
     _, _, out_dir = runs(name)
     seen = [r["seen"] for r in read_rank_files(out_dir, "train")]

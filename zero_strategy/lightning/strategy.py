@@ -56,6 +56,7 @@ from zero_strategy.lightning.forward_entry import ForwardEntry
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import to_zero_precision
 from zero_strategy.lightning.preemption import install_preemption_saver
+from zero_strategy.lightning.private_tensors import SHARING_START_METHODS, make_module_tensors_private
 from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.lightning.rank_exit import report_rank_finished
 from zero_strategy.lightning.save_without_engine import save_without_engine
@@ -185,6 +186,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self._start_method in SHARING_START_METHODS and self.lightning_module is not None:
+            make_module_tensors_private(self.lightning_module)  # see [Note: tensors shared by spawn]
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
