@@ -14,7 +14,9 @@ So a rank copies, first thing, every tensor of the module tree that lives in sha
 buffers in place (``.data``, so optimizers and hooks keep the same ``Parameter`` objects), other tensor
 attributes, and tensors inside a list, tuple or dict attribute (a torchmetrics "cat" state). A tensor reached
 twice is copied once, so tied attributes stay tied. Views of one another become separate tensors, as with
-Lightning's own copy. A "fork" start needs none of this: its pages are copied on write.
+Lightning's own copy. A "fork" start needs none of this: its pages are copied on write. Only host tensors are
+copied (see ``_in_shared_host_memory``), and only tensors the module reaches through its attributes and plain
+containers: a tensor inside some other object stays shared.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def make_module_tensors_private(root: nn.Module) -> int:
         return copies[id(tensor)][1]
 
     for tensor in (*root.parameters(), *root.buffers()):
-        if tensor.is_shared():
+        if _in_shared_host_memory(tensor):
             tensor.data = private(tensor)
     for module in root.modules():
         for name, value in list(vars(module).items()):
@@ -54,10 +56,16 @@ def make_module_tensors_private(root: nn.Module) -> int:
     return len(copies)
 
 
+def _in_shared_host_memory(tensor: Tensor) -> bool:
+    # A CUDA tensor always reports is_shared() (it crossed by IPC handle); the strategy's move to this rank's device
+    # copies it anyway, and copying it here would first duplicate it on the device it came from.
+    return tensor.device.type == "cpu" and tensor.is_shared()
+
+
 def _private_value(value: Any, private: Callable[[Tensor], Tensor]) -> Any:
     """``value`` with its shared tensors copied (a list or dict is updated in place, a tuple rebuilt)."""
     if isinstance(value, Tensor):
-        if not value.is_shared():
+        if not _in_shared_host_memory(value):
             return value
         if isinstance(value, nn.Parameter):  # one the module does not register: keep the object, copy its data
             value.data = private(value)
