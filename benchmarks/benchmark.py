@@ -31,6 +31,7 @@ from benchmarks.bench_compile import compile_table, dynamo_counts
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
 from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
+from benchmarks.bench_spread import repetition_table
 from zero_strategy.core.memory import memory_report
 from zero_strategy.testing import run_ranks
 
@@ -361,6 +362,8 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         *(_row(result, ddp_ms, floor_ms, psi, options.world_size) for result in results),
         "",
         *compile_table(results, ddp_ms),
+        "",
+        *repetition_table([r for r in results if r.failure is None], options.steps),
         "",
         *_details(results, psi),
         "",
