@@ -52,6 +52,7 @@ from zero_strategy.core.transport.topology import RankLayout, Topology, build_ra
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
+from zero_strategy.lightning.exit_teardown import destroy_process_group_at_exit
 from zero_strategy.lightning.forward_entry import ForwardEntry
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import to_zero_precision
@@ -195,11 +196,14 @@ class ZeroStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        created_here = not _distributed_is_initialized()
         _init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
             timeout=timedelta(seconds=self.config.process_group_timeout_s),
         )
+        if created_here and _distributed_is_initialized():
+            destroy_process_group_at_exit()  # see [Note: destroying the process group at exit]
 
     # ------------------------------------------------------------------------------------------ precision
     @property  # type: ignore[override]
