@@ -32,7 +32,7 @@ from benchmarks.bench_counter import CollectiveCounter, MethodRun
 from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from benchmarks.bench_spread import repetition_table
-from zero_strategy.core.memory import memory_report
+from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 DEFAULT_METHODS = list(BUILDERS)
@@ -127,7 +127,7 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
     # ZeRO stage 3 on one host: each unit's parameters are one shared-memory buffer mapped by every rank
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     flats = run.engine.flat_params if run.engine is not None else []
-    sharers = {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.node_shared is not None}
+    sharers = {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.storage.full.readable_in_place}
     with torch.no_grad():
         param_bytes = _distinct_bytes(list(params.values()), seen, sharers)
         grad_bytes = _distinct_bytes([p.grad for p in params.values() if p.grad is not None], seen)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from benchmarks.bench_model import PRESETS, BenchGPT, ModelShape, build_model, lm_loss
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
-from zero_strategy.core.transport.collectives import barrier
+from zero_strategy.core.comm.control import barrier
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 
 # ~0.97 B parameters: 18 blocks of 50.4 M, a 32 k x 2048 tied embedding (67 M), 1024 positions
 ONE_B = ModelShape(vocab_size=32768, max_seq=1024, width=2048, n_layer=18, n_head=16, batch=8, seq=1024)

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError
-from zero_strategy.core.loss_scaler import LossScalerConfig
 from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.step.loss_scaler import LossScalerConfig
 from zero_strategy.deepspeed_known_keys import ANY_VALUE as _ANY
 from zero_strategy.deepspeed_known_keys import KNOWN_KEYS as _KNOWN
 from zero_strategy.deepspeed_known_keys import NO_COUNTERPART as _UNKNOWN

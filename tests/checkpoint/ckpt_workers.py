@@ -16,7 +16,7 @@ from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 
 GLOBAL_BATCH = 8
 INFO = SaveInfo("32-true", {}, {"zero_strategy": "test", "torch": torch.__version__})

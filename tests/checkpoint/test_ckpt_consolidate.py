@@ -22,7 +22,7 @@ from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.checkpoint.format import BUFFERS_KEY, MANIFEST_NAME, TRAINER_STATE_NAME, CheckpointError
 from zero_strategy.checkpoint.save import save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 

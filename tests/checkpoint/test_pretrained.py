@@ -23,7 +23,7 @@ from zero_strategy.checkpoint.pretrained_keys import PretrainedMismatchError, al
 from zero_strategy.checkpoint.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.save import save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 

@@ -38,7 +38,7 @@ from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
 from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
-from zero_strategy.core.mixed_precision import NORMALIZATION_LAYERS
+from zero_strategy.core.plan.precision import NORMALIZATION_LAYERS
 
 STEPS, ACCUM, PER_RANK, VOCAB, WIDTH = 3, 2, 4, 32, 64
 PRECISIONS = {"fp32": ("32-true", torch.float32), "bf16": ("bf16-mixed", torch.bfloat16),

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.transport import point_to_point
 from zero_strategy.core.transport.collectives import CommunicationLog, prefers_point_to_point, start_reduce_scatter_mean
 from zero_strategy.testing import run_ranks

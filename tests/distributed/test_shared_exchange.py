@@ -12,8 +12,8 @@ import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.transport import shared_exchange
 from zero_strategy.core.transport.collectives import CommunicationLog
 from zero_strategy.testing import run_ranks

@@ -19,8 +19,8 @@ from helpers.storage import (
 )
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.memory import memory_report
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 MODEL = {"vocab": 13, "width": 31, "n_blocks": 4}  # Ψ = 4681, every unit's size odd (padding at N = 2, 4)
@@ -234,8 +234,8 @@ def test_stage3_gathers_one_unit_at_a_time(prefetch):
 
 def backward_prefetch_worker(rank, world_size):
     from zero_strategy.core import unit as unit_module
-    from zero_strategy.core.flat_param import ShardState
-    from zero_strategy.core.hooks import in_backward
+    from zero_strategy.core.flat.flat_param import ShardState
+    from zero_strategy.core.runtime.hooks import in_backward
 
     model = make_model(n_blocks=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -284,7 +284,7 @@ def _live_tensor_bytes() -> int:
 
 
 def mixed_precision_memory_worker(rank, world_size, stage):
-    from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
+    from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 
     batches = make_batches(1, 2, 8, vocab=MODEL["vocab"])[0]
     before = _live_tensor_bytes()  # the batches and whatever torch itself keeps

@@ -12,7 +12,7 @@ from torch import nn
 
 from offload.test_offload import measure_in_fresh_process
 from zero_strategy import ZeroConfig, ZeroEngine
-from zero_strategy.core.activation_checkpointing import (
+from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     make_policy,
     remove_activation_checkpointing,

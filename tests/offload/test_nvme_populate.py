@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_strategy.core.offload import NvmeStore
+from zero_strategy.core.flat.placement import NvmeStore
 
 MIB = 2**20
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroConfigError, ZeroEngine
-from zero_strategy.core.offload import NvmeStore, OffloadError
+from zero_strategy.core.flat.placement import NvmeStore, OffloadError
 from zero_strategy.testing import run_ranks
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, ZeroPrecision
-from zero_strategy.core.mixed_precision import NORMALIZATION_LAYERS
+from zero_strategy.core.plan.precision import NORMALIZATION_LAYERS
 from zero_strategy.testing import run_ranks
 
 WORLD, STEPS, ACCUM, PER_RANK = 2, 3, 2, 4

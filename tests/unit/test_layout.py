@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from zero_strategy.core.layout import FlatLayout, SliceOverlap
+from zero_strategy.core.plan.layout import FlatLayout, SliceOverlap
 
 SHAPE_SETS = {
     "one_scalar": [("s", ())],

@@ -15,9 +15,9 @@ from zero_strategy.checkpoint.format import CheckpointError
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.rng import restore_rng
 from zero_strategy.checkpoint.shard_content import scalar_value
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.flat_param import FlatParam
-from zero_strategy.core.optimizer import qualified_name
+from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.optimizer import qualified_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ def _piece_state(
 def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
     """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise). A replica's rank
     (hybrid sharding) keeps its own: the shard of its rank holds the first shard group's RNG."""
-    if engine.ctx.replicas is not None and engine.ctx.replicas.index > 0:
+    if engine.ctx.replica_index > 0:
         return False
     saved = ckpt.rng_state(engine.ctx.rank)
     if saved is None:

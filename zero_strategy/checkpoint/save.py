@@ -37,9 +37,8 @@ from zero_strategy.checkpoint.format import (
 from zero_strategy.checkpoint.rng import capture_rng
 from zero_strategy.checkpoint.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.shard_content import collect_shard, encode_metadata
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.optimizer import qualified_name
-from zero_strategy.core.transport.collectives import all_gather_object, broadcast_object
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.optimizer import qualified_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +95,9 @@ def save_sharded(
     engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
 ) -> None:
     """Collective: every rank of the engine's run (its group, and the replicas) calls this with the same ``path``."""
-    ctx = engine.ctx
+    ctx, everyone = engine.ctx, engine.comms.everyone
     target = Path(path)
-    writes = ctx.replicas is None or ctx.replicas.index == 0  # replicas hold the first shard group's slices
+    writes = ctx.replica_index == 0  # replicas hold the first shard group's slices
     leader = ctx.rank == 0 and writes
     planned: _Staging | str | None = None
     if leader:
@@ -111,7 +110,7 @@ def save_sharded(
             planned = f"cannot create a checkpoint at {target}: {error}"
         except CheckpointError as error:
             planned = str(error)
-    planned = broadcast_object(planned, ctx.everyone_src, ctx.everyone)
+    planned = everyone.broadcast_object(planned, 0, "checkpoint staging")
     if not isinstance(planned, _Staging):
         raise CheckpointError(str(planned))
     staging = planned
@@ -131,7 +130,7 @@ def save_sharded(
         pass
     except Exception as error:  # every rank must reach the report step, or the others wait for nothing
         report = (False, f"rank {ctx.rank}: {type(error).__name__}: {error}")
-    reports = all_gather_object(report, ctx.everyone)
+    reports = everyone.all_gather_object(report, "checkpoint reports")
     failures = [message for ok, message in reports if not ok]
     sizes = [size for ok, size in reports if ok and size is not None]  # the writers', in rank order
     if leader and not failures:
@@ -141,7 +140,7 @@ def save_sharded(
             failures.append(f"rank 0 publishing: {type(error).__name__}: {error}")
     if leader and failures:
         shutil.rmtree(staging.root if staging.fresh else staging.version_dir, ignore_errors=True)
-    failures = broadcast_object(failures, ctx.everyone_src, ctx.everyone)  # nobody returns before it is published
+    failures = everyone.broadcast_object(failures, 0, "checkpoint outcome")  # nobody returns before it is published
     if failures:
         raise CheckpointError(f"saving {target} failed; the previous checkpoint is untouched: {'; '.join(failures)}")
 

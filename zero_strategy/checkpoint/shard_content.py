@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.flat_param import FlatParam
+from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.step.engine import ZeroEngine
 
 TensorSpec = tuple[str, torch.dtype, list[int]]
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
 from zero_strategy.config import OffloadDevice, ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 
 NO_OPTIMIZER_STATE_KEY = "optimizer_state_absent"
 """Manifest ``extra`` key: why a checkpoint holds no optimizer state (shown when a resume asks for it)."""

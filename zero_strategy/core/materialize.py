@@ -21,10 +21,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.deferred import FinalTensor, Recording, ReplayPlan, ReplayStats
-from zero_strategy.core.flat_param import FlatParam
-from zero_strategy.core.transport.choice import Transport
-from zero_strategy.core.transport.collectives import broadcast_object
+from zero_strategy.core.flat.flat_param import FlatParam
 
 
 class WeightsReader(Protocol):
@@ -90,13 +89,13 @@ def plan_replay(module: nn.Module, recording: Recording) -> ReplayPlan:
 
 
 def replay_construction(
-    module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, transport: Transport
+    module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, everyone: Comm
 ) -> ReplayStats:
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers. Collective
     (rank 0's generator state is adopted first)."""
     recording = plan.recording
-    ctx = transport.ctx  # every rank of the run (all replicas) replays from global rank 0's generator state
-    recording.entry_state = broadcast_object(recording.entry_state, ctx.everyone_src, ctx.everyone)
+    # every rank of the run (all replicas) replays from global rank 0's generator state
+    recording.entry_state = everyone.broadcast_object(recording.entry_state, 0, "the recorded generator state")
     owner: dict[str, tuple[FlatParam, int]] = {}
     for flat in flats:
         for index, name in enumerate(flat.names):

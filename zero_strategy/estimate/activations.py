@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
-from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precision
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.plan.precision_names import COMPUTE_DTYPES, normalize_precision
 
 
 @contextmanager

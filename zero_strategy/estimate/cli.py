@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_strategy.core.transport.topology import Topology
+from zero_strategy.core.plan.topology import Topology
 from zero_strategy.estimate.fit import GPTFamily, Largest, Machine, Peaks, compare_peaks, largest_fitting, parse_family
 from zero_strategy.estimate.memory import CONFIGURATIONS, OPTIMIZER_STATE_BYTES, MemoryEstimate, first_fitting
 from zero_strategy.estimate.network import estimate_traffic, format_traffic

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
-from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
-from zero_strategy.core.precision_names import COMPUTE_DTYPES, normalize_precision
-from zero_strategy.core.sharding import choose_unit_modules, plan_units
+from zero_strategy.core.comm.shm_exchange import ARENA_CAP_BYTES, ARENAS
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.plan.precision_names import COMPUTE_DTYPES, normalize_precision
+from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.transport.shared_exchange import ARENA_CAP_BYTES, ARENAS
 from zero_strategy.estimate.activations import measure_activation_bytes
 
 OPTIMIZER_STATE_BYTES: dict[str, int] = {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_strategy.core.transport.topology import INTER_NODE, INTRA_NODE, Topology, resolve_shard_group_size
+from zero_strategy.core.plan.topology import INTER_NODE, INTRA_NODE, Topology, resolve_shard_group_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY
 from zero_strategy.checkpoint.load import check_compatible
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.version import library_version
 
 

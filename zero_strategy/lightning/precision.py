@@ -23,11 +23,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
-from zero_strategy.core.mixed_precision import MixedPrecisionPolicy
-from zero_strategy.core.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
-from zero_strategy.core.precision_names import reduce_dtype_named as _reduce_dtype
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
+from zero_strategy.core.plan.precision_names import reduce_dtype_named as _reduce_dtype
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 log = logging.getLogger(__name__)

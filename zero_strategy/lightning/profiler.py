@@ -99,7 +99,7 @@ class CommunicationProfiler(Callback):
         # On a GPU the host does not block on collectives: blocked time is the compute stream's wait, timed with
         # CUDA events (see CommunicationLog.device_timing); reading them once per batch synchronises, which a
         # profiling run accepts (its wall time needs it too).
-        self._log(trainer).device_timing = trainer.strategy.engine.streams.enabled  # type: ignore[attr-defined]
+        self._log(trainer).device_timing = trainer.strategy.engine.comms.streams is not None  # type: ignore[attr-defined]
         for optimizer in trainer.strategy.engine.optimizers:  # type: ignore[attr-defined]
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY, copy_module_into_shards, save_module_weights
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.engine import ZeroEngine
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 
 

@@ -22,9 +22,9 @@ from zero_strategy.checkpoint.pretrained import (
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.deferred import Recording, record_construction
-from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader
-from zero_strategy.core.release import ReleasedShards
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.release import ReleasedShards
 
 
 class ConstructionRecorder:
@@ -82,7 +82,7 @@ def take_back_released(
     if released is None:
         return values
     plan: dict[str, tuple[WeightsReader, str]] = dict(
-        ReleasedShards(released.flat_params, released.ctx.rank).plan_for(module)
+        ReleasedShards(released.flat_params).plan_for(module)
     )
     if not plan:
         return values

@@ -40,15 +40,15 @@ from typing_extensions import override
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.activation_checkpointing import (
+from zero_strategy.core.comm.control import barrier
+from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
+from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     make_policy,
     remove_activation_checkpointing,
 )
-from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.memory import MemoryReport, memory_report
-from zero_strategy.core.transport.collectives import barrier
-from zero_strategy.core.transport.topology import RankLayout, Topology, build_rank_layout
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch

@@ -1,0 +1,92 @@
+"""A process group as the comm room sees it: its members and the device its backend takes tensors on.
+
+[Note: collectives run on the group's device]
+NCCL refuses CPU tensors and gloo (in this package's use) takes CPU ones, so every tensor handed to a backend
+collective lives on the group's device, whatever device the data came from: a norm of CPU-offloaded gradients, a
+flag on a rank holding no gradient, a bitmap built on the host. :func:`collective_device` is the one rule; the
+comms move a small tensor that is elsewhere (:func:`on_collective_device`) and refuse a flat buffer that is
+elsewhere (:func:`check_device`): flat buffers are built on the right device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def collective_device(handle: ProcessGroup) -> torch.device:
+    """The device whose tensors ``handle``'s backend accepts: this rank's CUDA device on NCCL, the CPU otherwise."""
+    if not distributed():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(handle))
+    if "nccl" in backend and "gloo" not in backend:  # a mixed "cpu:gloo,cuda:nccl" group takes CPU tensors too
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Who is in a process group and where its collectives' tensors live."""
+
+    handle: ProcessGroup  # None: the default group (or no process group at all: one process)
+    rank: int  # this rank's position in the group
+    size: int
+    members: tuple[int, ...]  # the global rank of each group rank
+    device: torch.device  # see [Note: collectives run on the group's device]
+
+    @classmethod
+    def of(cls, handle: ProcessGroup) -> Group:
+        """The group ``handle`` (None: the default group), or a group of this one process without torch.distributed."""
+        if not distributed():
+            return cls(None, 0, 1, (0,), torch.device("cpu"))
+        members = tuple(dist.get_process_group_ranks(handle or dist.group.WORLD))
+        return cls(handle, dist.get_rank(handle), len(members), members, collective_device(handle))
+
+    @property
+    def me(self) -> int:
+        """This rank's global rank."""
+        return self.members[self.rank]
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.handle)) if distributed() else "none"
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.members[group_rank]
+
+    def peers(self) -> Iterator[int]:
+        """Group ranks other than this one."""
+        return (peer for peer in range(self.size) if peer != self.rank)
+
+
+def check_device(tensor: Tensor, group: Group, what: str) -> None:
+    """A flat buffer on a device the backend cannot take (gloo with a module on a GPU, NCCL with one on the CPU):
+    say so before the backend fails with a less helpful message."""
+    if tensor.device.type != group.device.type:
+        raise RuntimeError(
+            f"ZeRO: the {what} buffer is on {tensor.device}, but the process group's backend ({group.backend}) "
+            f"needs {group.device} tensors: train on GPUs with NCCL and on CPUs with gloo."
+        )
+
+
+@contextmanager
+def on_collective_device(tensor: Tensor, group: Group) -> Iterator[Tensor]:
+    """``tensor`` itself when it is on the group's device, else a copy there whose values are written back on exit
+    (small tensors only: norms, flags, bitmaps)."""
+    if tensor.device == group.device:
+        yield tensor
+        return
+    moved = tensor.to(group.device)
+    yield moved
+    tensor.copy_(moved)

@@ -1,0 +1,204 @@
+"""A FlatParam's gradients on their way from the module's ``.grad`` to its master pieces' ``.grad``.
+
+Per reduction: the module's gradients are flattened (laid out like the gathered buffer, zeros where a parameter
+has none and in the padding; the module's ``.grad`` tensors are released: the flat copy is now the only one), one
+reduce-scatter averages them over the shard group, and this rank's slice is added to the master pieces' gradients
+(fp32, where the masters live). Stage 1 under bf16/fp16 first accumulates the module's gradients in an fp32 stash
+as they are produced, so accumulation over micro-steps never happens in the low precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum, auto
+
+import torch
+from torch import Tensor, nn
+
+from zero_strategy.core.comm.comm import Comm
+from zero_strategy.core.comm.streams import CollectiveStreams
+from zero_strategy.core.comm.work import Work
+from zero_strategy.core.flat.master import MasterPieces
+from zero_strategy.core.flat.storage import FlatStorage
+from zero_strategy.core.plan.flat_specs import FlatSpec
+
+
+class ReduceState(Enum):
+    """Where the FlatParam's reduction stands (one in flight at a time)."""
+
+    IDLE = auto()  # nothing in flight
+    REDUCING = auto()  # a reduce-scatter in flight
+    COPYING = auto()  # offload on a GPU: the reduced slice on its way to pinned host memory
+
+
+class SliceState(Enum):
+    """What the master pieces' gradients hold since the last step."""
+
+    EMPTY = auto()  # nothing reduced yet
+    LOCAL = auto()  # averaged over the shard group, not yet over the replicas (hybrid sharding)
+    FINAL = auto()  # averaged over every rank of the run
+
+
+class GradientSlices:
+    """The reduction of one FlatParam's gradients and their accumulation into its master pieces."""
+
+    stash: Tensor | None  # stage 1 in low precision: fp32 full gradients between steps (padded, flat)
+    seen: list[bool]  # which parameters produced a gradient since the last step (this rank)
+
+    def __init__(
+        self, spec: FlatSpec, params: list[nn.Parameter], comm: Comm, storage: FlatStorage, pieces: MasterPieces,
+        has_replicas: bool, streams: CollectiveStreams | None,
+    ) -> None:
+        self.spec = spec
+        self.params = params
+        self.comm = comm
+        self.storage = storage
+        self.pieces = pieces
+        self.has_replicas = has_replicas
+        self.streams = streams
+        self.stash = None
+        self.seen = [False] * len(params)
+        self.state = ReduceState.IDLE
+        self.slice_state = SliceState.EMPTY
+        self._work: Work | None = None
+        self._host_copies: list[tuple[nn.Parameter, int, Tensor]] = []  # (piece, offset, pinned host values)
+        self._copies_ready: object | None = None  # the event after which the host copies are complete
+        self._copies_read_from: list[Tensor] = []  # the device slices those copies read
+
+    # ----------------------------------------------------------------------------------------- flattening
+    def stash_grad(self, index: int) -> None:
+        """Move parameter ``index``'s gradient into the fp32 stash (stage 1 in low precision)."""
+        param = self.params[index]
+        if param.grad is None:
+            return
+        if self.stash is None:
+            self.stash = torch.zeros(self.spec.layout.padded_numel, dtype=torch.float32,
+                                     device=self.storage.full.tensor.device)
+        span = self.spec.layout.spans[index]
+        self.stash[span.offset : span.end].add_(param.grad.reshape(-1))
+        param.grad = None
+        self.seen[index] = True
+
+    def _flatten(self, target: Tensor | None) -> Tensor:
+        """The module's gradients laid out like the gathered buffer, in ``target`` or a new tensor; the module's
+        ``.grad`` tensors (and the stash) are released."""
+        stash, self.stash = self.stash, None
+        layout, dtype = self.spec.layout, self.spec.reduce_dtype
+        if target is None:
+            target = stash.to(dtype) if stash is not None else torch.empty(
+                layout.padded_numel, dtype=dtype, device=self.storage.full.tensor.device)
+        add = stash is not None
+        if stash is not None:
+            if target is not stash:
+                target.copy_(stash)
+        else:  # copy rather than zeros + add: one pass over the memory instead of two
+            target[layout.numel :].zero_()
+        for index, (span, param) in enumerate(zip(layout.spans, self.params, strict=True)):
+            part = target[span.offset : span.end]
+            if param.grad is not None:
+                part.add_(param.grad.reshape(-1)) if add else part.copy_(param.grad.reshape(-1))
+                param.grad = None
+                self.seen[index] = True
+            elif not add:
+                part.zero_()
+        return target
+
+    # ------------------------------------------------------------------------------------------ reducing
+    def has_pending(self) -> bool:
+        """Gradients on the module (or in the stash) not yet reduced."""
+        return self.stash is not None or any(p.grad is not None for p in self.params)
+
+    def requires_grad_now(self) -> bool:
+        """Whether autograd can produce a gradient for this FlatParam at all (a GAN toggles ``requires_grad``)."""
+        return any(param.requires_grad for param in self.params)
+
+    def start_reduce(self, force: bool = False) -> None:
+        """Flatten the module's gradients and start reducing them; :meth:`finish_reduce` accumulates the result.
+        ``force``: reduce even without a local gradient (zeros), because a peer has one and every rank must take
+        part in every exchange (see [Note: collective order] in runtime/hooks.py)."""
+        if not (self.has_pending() or force):
+            return
+        self.finish_reduce()  # one reduction per FlatParam in flight
+        numel, dtype = self.spec.layout.padded_numel, self.spec.reduce_dtype
+        target = None if self.stash is not None else self.comm.reduce_input(numel, dtype,
+                                                                             self.storage.full.tensor.device)
+        self._work = self.comm.reduce_scatter(self._flatten(target), self.spec.label)
+        self.state = ReduceState.REDUCING
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction in flight and add this rank's slice to the master pieces' gradients."""
+        if self.state is not ReduceState.REDUCING:
+            return
+        assert self._work is not None
+        reduced, self._work = self._work.wait(), None
+        self.state = ReduceState.IDLE
+        self.slice_state = SliceState.LOCAL if self.has_replicas and self.pieces else SliceState.FINAL
+        streams = self.streams
+        if streams is not None and streams.enabled and reduced.is_cuda and self.storage.shard.device.type == "cpu":
+            self._start_host_copies(reduced, streams)
+            return
+        self._accumulate((piece, offset, reduced[offset : offset + piece.numel()]) for piece, offset in self.pieces)
+
+    def _accumulate(self, slices: Iterable[tuple[nn.Parameter, int, Tensor]]) -> None:
+        """Add each (master piece, its offset in the shard, reduced values) to the piece's gradient, creating it on
+        the first reduction of a step."""
+        grad_file = self.storage.grad_file
+        for piece, offset, values in slices:
+            if piece.grad is not None:
+                piece.grad.add_(values.to(piece.device))
+            elif grad_file is not None:  # see [Note: gradient slices in files]
+                piece.grad = grad_file[offset : offset + piece.numel()]
+                piece.grad.copy_(values)
+            else:  # the reduced slice is ours alone and its pieces are disjoint: used without a copy
+                piece.grad = values.to(device=piece.device, dtype=piece.dtype)
+        if grad_file is not None:
+            self.storage.after_host_read()  # the slice is in the file: its pages leave this process
+
+    def _start_host_copies(self, reduced: Tensor, streams: CollectiveStreams) -> None:
+        """Offloaded masters on a GPU: copy the reduced slice to pinned host memory on the copy stream, without
+        blocking; :meth:`settle_host_copies` adds it to the master pieces' grads. One copy in flight per FlatParam
+        (the previous one is settled first), so host memory holds at most one extra slice."""
+        self.settle_host_copies()
+        host, self._copies_ready = streams.copy_to_host(reduced, self.storage.shard.dtype)
+        self._copies_read_from = [reduced]
+        self._host_copies = [(piece, offset, host[offset : offset + piece.numel()]) for piece, offset in self.pieces]
+        self.state = ReduceState.COPYING
+
+    def settle_host_copies(self) -> None:
+        """Wait for the host copies and accumulate them (the host reads the gradients next: the CPU optimizer, the
+        norm). Also orders any earlier non-blocking host-to-device read of the shard before the optimizer writes
+        it: the copy stream waited for the compute stream, where those reads were queued."""
+        if self.state is not ReduceState.COPYING:
+            return
+        self._copies_ready.synchronize()  # type: ignore[union-attr]
+        self._accumulate(self._host_copies)
+        self._host_copies, self._copies_read_from, self._copies_ready = [], [], None
+        self.state = ReduceState.IDLE
+
+    # ------------------------------------------------------------------------------------------ the step
+    def discard(self) -> None:
+        """Drop every gradient (a skipped step). A reduction in flight completes first: every rank takes part in
+        every exchange, whatever it does with the result."""
+        self.finish_reduce()
+        self.settle_host_copies()
+        self.stash = None
+        self.seen = [False] * len(self.params)
+        self.slice_state = SliceState.EMPTY
+        for param in self.params:
+            param.grad = None
+        for piece, _ in self.pieces:
+            piece.grad = None
+
+    def stepped(self) -> None:
+        """The optimizer consumed the gradients: the next step starts from nothing seen."""
+        self.seen = [False] * len(self.params)
+        self.slice_state = SliceState.EMPTY
+
+    def note_local_use(self) -> None:
+        """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
+        self.seen = [seen or p.grad is not None for seen, p in zip(self.seen, self.params, strict=True)]
+
+    def unused_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""
+        seen = {span.name: used for span, used in zip(self.spec.layout.spans, self.seen, strict=True)}
+        return [(o.shard_start, o.shard_start + o.numel) for o in self.spec.layout.overlaps(rank) if not seen[o.name]]

@@ -1,0 +1,295 @@
+"""Runtime hooks: gather units before they compute, reduce their gradients as backward finishes, free them after.
+
+Stage 3 installs forward pre/post hooks on every unit (the root's on the forward entry point), and a hook on each
+unit's outputs that gathers the unit again when backward reaches it. Stages 2 and 3 install a post-accumulate-grad
+hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered in
+the agreed order (see [Note: collective order]; stage 3 frees it). A callback queued at the start of each backward
+sweeps up at its end: units not reduced yet are reduced there, and every unit is freed.
+
+[Note: prefetch]
+Forward prefetches the next unit in the order the first forward recorded. Backward does not simply reverse it:
+with nested units (a block and, inside it, a large MLP layer that is a unit of its own) the block's hook fires
+before its children's, so reversed forward order would fetch the wrong unit and every block would be gathered
+while backward waited. The first backward records the order in which units' backward hooks fire; later ones
+prefetch along it, and the first unit backward needs is fetched as soon as the root's forward returns.
+
+[Note: overlapped reduction]
+A unit's reduce-scatter is only started when its last gradient lands; it is waited for when the next unit's
+starts, or at the end of backward. On gloo the point-to-point exchange runs on gloo's I/O thread, so the ranks
+need not meet at every unit: backward of the next unit computes while the bytes move, and a rank that is a little
+behind costs the other rank nothing until the wait. At most two units' flattened gradients are alive at once.
+A Comm that owns its buffers (``Comm.reductions_in_flight`` is None: one host's shared-memory arenas) holds no
+private memory while a reduction is in flight, so its reductions are not waited for at the next unit: the exchange
+reads each one as soon as every rank posted it and lets a rank run a few reductions ahead of a slower peer (see
+[Note: shared-memory reductions]), so the ranks' backward passes do not meet at every unit; all are finished at the
+end of backward.
+
+[Note: collective order]
+Every rank must issue collectives in the same order, and take part in every one, even where the set of parameters
+it used differs from its peers' (mixture-of-experts routing, a branch or a head used on some batches): DDP with
+``find_unused_parameters=True`` averages a gradient over all ranks, with zeros from those that did not use the
+parameter. Two rules give that:
+- reductions start in one agreed order (:class:`ReductionOrder`): a unit whose last gradient landed starts only
+  once every unit before it in that order has; the order is rank 0's readiness order, broadcast at the end of
+  the first backward (which follows the units' reversed module order, the same on every rank);
+- at the end of backward every trainable unit not yet reduced is reduced on every rank, with zeros where this rank
+  has no gradient (skipped only where no parameter of it requires a gradient now, which is the same on every rank).
+  A unit no rank used in a backward therefore still costs its reduction, as DDP's buckets do: deciding "used by
+  some rank" first would need an agreement in the middle of the reductions, out of order with them for gloo's and
+  NCCL's own collectives.
+When all ranks use every unit the order is the one each rank's backward follows anyway, so reductions still overlap
+backward; a unit a rank did not use holds the units after it back to the end of that rank's backward.
+Whether a parameter is stepped is agreed separately, per optimizer step (see [Note: unused parameters]).
+
+Stage 3 gathers are collectives too unless the shards are in shared memory (one host's CPU ranks, where a gather
+is a local copy): there rank-dependent use just works. With network gathers a rank that gathers a unit its peers
+do not gather would wait forever, see [Note: diverging gathers] in gather_watch.py.
+
+[Note: container units]
+A ``ModuleList``/``ModuleDict`` made one unit (all experts of a mixture-of-experts layer, so that their gathers
+and reductions are one exchange whichever experts a rank routes to) has no forward of its own: its hooks go on
+its children, so calling any child gathers the whole unit and each child's outputs gather it again for backward.
+
+[Note: torch.compile]
+The hooks are never traced by dynamo (``torch.compiler.disable``); they always run eagerly, between graphs.
+A gather is a collective that resizes and fills a storage in place, which dynamo cannot put in a graph; traced,
+our hooks broke the graph at every collective and at ``in_backward()``, and dynamo guarded on their Python state
+(the recorded orders, a unit's state), so it compiled again each time that state moved over the first steps
+(zero3, three compiled blocks: 21 frames compiled in the first step and 8 more in the next two, against 1 in all
+with the hooks disabled; tests/distributed/test_compile.py). Disabled, they cost nothing where the compiled code
+is a unit's own forward (``block.compile()`` or ``torch.compile(block)``: the hooks sit outside the compiled
+call, one graph serves every identical block), and one graph break per unit called from inside a compiled
+stage-3 forward (``torch.compile(whole_model)``; where the units are called in a loop dynamo gives that frame up
+to eager and compiles each unit's forward on its own; with ``fullgraph=True`` dynamo's error quotes the reason
+given below). The compiled code reads the parameters as graph inputs, which keep their tensor objects, shapes
+and strides while their storage is freed and refilled, so guards hold and nothing recompiles; tensors a compiled
+forward saves for backward are views of the same storage and see the gathered values again, as in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.runtime.reduction_order import ReductionOrder
+from zero_strategy.core.runtime.unit import TrainingState, ZeroUnit
+from zero_strategy.core.stage import ZeroStage
+
+PREFETCH_DEPTH = 1
+"""Units gathered ahead of the one computing. Two ahead hid more of the gathers of nested units (a block's hook
+fires just before its first child unit computes), but the 30 M benchmark's step time did not move (1.03x vs 1.04x
+DDP, within noise: on 2 cores the bytes cost CPU whether or not a rank waits for them), so the memory bound wins:
+at most the computing unit and the next one are whole."""
+
+
+_not_traced = torch.compiler.disable(
+    reason="ZeRO gathers or frees a unit's parameters here (a collective that cannot be traced): compile each "
+    "unit's module (block.compile()) instead of a whole stage-3 model with fullgraph=True"
+)
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward (so a forward now is an activation-checkpoint recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class RuntimeHooks:
+    """Installs and owns the hooks that drive gathering, reduction and freeing of units during a step."""
+
+    def __init__(
+        self,
+        units: list[ZeroUnit],
+        stage: ZeroStage,
+        entry_module: nn.Module,
+        prefetch: bool,
+        on_root_forward: Callable[[], None],
+        reduction_order: ReductionOrder,
+    ) -> None:
+        self.units = units
+        self.stage = stage
+        self.entry_module = entry_module
+        self.prefetch = prefetch
+        self.on_root_forward = on_root_forward
+        self.reduction_order = reduction_order
+        self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
+        self._order_recorded = False
+        self.backward_order: list[ZeroUnit] = []  # recorded during the first backward (see [Note: prefetch])
+        self._backward_order_recorded = False
+        self._callback_queued = False
+        self._reducing: list[ZeroUnit] = []  # units whose reduce-scatters are in flight, in start order
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        for unit in self.units:
+            if self.stage.reshards_parameters:
+                for module in self._forward_entries(unit):
+                    self._handles.append(
+                        module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True)
+                    )
+                    self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
+            if self.stage.reduces_every_microstep:
+                for param in unit.trainable_params:
+                    self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+            else:
+                self._install_grad_stash(unit)
+        # The step's own hooks go on the entry point whether or not the root stores parameters (a root whose
+        # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
+        # root unit's gather, and the post-hook after the root unit's.
+        self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_root_forward, prepend=True))
+        self._handles.append(self.entry_module.register_forward_hook(self._post_root_forward))
+
+    def _forward_entries(self, unit: ZeroUnit) -> list[nn.Module]:
+        """The modules whose forward hooks gather ``unit`` (see [Note: container units])."""
+        if unit.is_root:
+            return [self.entry_module]
+        if type(unit.module).forward is nn.Module.forward:  # a container: nothing calls it, its children compute
+            children = list(unit.module.children())
+            if not children:
+                raise ValueError(f"ZeRO unit {unit.name!r} has no forward and no children; it can never be gathered")
+            return children
+        return [unit.module]
+
+    def _install_grad_stash(self, unit: ZeroUnit) -> None:
+        """Stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they are produced,
+        so accumulation over micro-steps happens in fp32, never in bf16/fp16."""
+        for flat in unit.flat_params:
+            if flat.trainable and flat.full.dtype != torch.float32:
+                for index, param in enumerate(flat.params):
+                    hook = partial(self._stash, flat, index)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    @staticmethod
+    def _stash(flat: FlatParam, index: int, param: Tensor) -> None:
+        flat.grads.stash_grad(index)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --------------------------------------------------------------------------------------------- forward
+    @_not_traced  # see [Note: torch.compile]
+    def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self.on_root_forward()
+
+    @_not_traced  # see [Note: torch.compile]
+    def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward() or not self.stage.reshards_parameters:
+            return
+        self._order_recorded = True
+        if self.prefetch and self._backward_order_recorded and torch.is_grad_enabled():
+            # the loss and the root's own backward run while the first unit backward needs is gathered
+            first = next((u for u in self.backward_order if not u.is_root), None)
+            if first is not None:
+                first.start_unshard()
+
+    @_not_traced  # see [Note: torch.compile]
+    def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
+        if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
+            unit.unshard()
+            return
+        unit.unshard()
+        unit.state = TrainingState.FORWARD
+        if not self._order_recorded:
+            if unit not in self.forward_order:
+                self.forward_order.append(unit)
+        elif self.prefetch:
+            self._prefetch(self.forward_order, unit, step=1)
+
+    @_not_traced  # see [Note: torch.compile]
+    def _post_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        unit.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, unit))
+        # After a training forward the root and the last unit forward ran stay whole: backward needs them first,
+        # and freeing them would only gather them again right away (the end of backward frees them).
+        last = self._order_recorded and self.forward_order and unit is self.forward_order[-1]
+        if not ((unit.is_root or last) and torch.is_grad_enabled()):
+            unit.reshard()
+
+    @staticmethod
+    def _prefetch(order: list[ZeroUnit], unit: ZeroUnit, step: int) -> None:
+        """Start gathering the ``PREFETCH_DEPTH`` units after ``unit`` in ``order`` (``step`` -1: before it)."""
+        if unit not in order:
+            return
+        index = order.index(unit)
+        for distance in range(1, PREFETCH_DEPTH + 1):
+            if 0 <= index + distance * step < len(order):
+                order[index + distance * step].start_unshard()
+
+    # -------------------------------------------------------------------------------------------- backward
+    @_not_traced  # see [Note: torch.compile]
+    def _pre_backward(self, unit: ZeroUnit, grad: Tensor) -> None:
+        self._queue_final_callback()
+        if unit.state is TrainingState.BACKWARD:
+            return
+        unit.state = TrainingState.BACKWARD
+        unit.unshard()
+        if not self._backward_order_recorded:
+            if unit not in self.backward_order:
+                self.backward_order.append(unit)
+            if self.prefetch:  # first backward: guess the reverse of forward order
+                self._prefetch(self.forward_order, unit, step=-1)
+        elif self.prefetch:
+            self._prefetch(self.backward_order, unit, step=1)
+
+    def _on_grad_ready(self, unit: ZeroUnit, param: Tensor) -> None:
+        self._queue_final_callback()
+        unit.grads_ready += 1
+        if unit.grads_ready < unit.expected_grads():
+            return
+        # Reductions start in the agreed order (see [Note: collective order]) and run while backward goes on.
+        for ready in self.reduction_order.on_ready(unit):
+            self._start_reduce(ready)
+        # A unit with frozen parameters may still be needed by backward ops that produce no gradient for it
+        # (a frozen layer earlier in the unit), and the root's parameters can be used anywhere: both wait.
+        if self.stage.reshards_parameters and not unit.has_frozen and not unit.is_root:
+            unit.reshard()
+
+    def _start_reduce(self, unit: ZeroUnit) -> None:
+        """Start ``unit``'s reduction on every rank's behalf: a FlatParam this rank has no gradient for sends zeros,
+        because a peer may have one. Waiting first for the previous unit's reduction when it went through the
+        network bounds the memory of flattened gradients in flight to two units (see [Note: overlapped
+        reduction])."""
+        if self._reducing and self._reducing[-1].reductions_in_flight() is not None:
+            self._reducing.pop().finish_reduce()
+        unit.start_reduce(force=_can_have_gradients)
+        self._reducing.append(unit)
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._backward_order_recorded = bool(self.backward_order)
+        if self.stage.reduces_every_microstep:
+            for unit in self.reduction_order.end_of_backward():
+                self._start_reduce(unit)
+        for unit in self._reducing:
+            unit.finish_reduce()
+        self._reducing = []
+        if self.stage.reduces_every_microstep:
+            self.reduction_order.settle()
+        for unit in self.units:
+            if self.stage.reshards_parameters:
+                unit.reshard()
+            unit.state = TrainingState.IDLE
+            unit.grads_ready = 0
+        self._callback_queued = False
+
+
+def _can_have_gradients(flat: FlatParam) -> bool:
+    return flat.grads.requires_grad_now()

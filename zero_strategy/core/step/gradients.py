@@ -1,0 +1,79 @@
+"""Gradient maths on master slices: the global norm, clipping, unscaling and the overflow check.
+
+Every rank holds a disjoint slice of every gradient (padding lies in no master piece, so it never counts), so a
+global quantity is a local reduction followed by one scalar all-reduce; the answers are the same on every rank,
+which is what lets all ranks clip by the same coefficient and skip an overflowing step together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from zero_strategy.core.comm.comm import Comm, ReduceOp
+from zero_strategy.core.flat.flat_param import FlatParam
+
+
+def _grads(pieces: Iterable[nn.Parameter]) -> list[Tensor]:
+    return [p.grad for p in pieces if p.grad is not None]
+
+
+def global_grad_norm(pieces: list[nn.Parameter], comm: Comm, norm_type: float = 2.0) -> Tensor:
+    """The norm of the full gradient across all ranks' slices (``comm``: the shard group). Collective."""
+    grads = _grads(pieces)
+    # a rank without gradients (or with CPU-offloaded ones) still takes part; the comm moves what is not on the
+    # group's device there (see [Note: collectives run on the group's device])
+    device = grads[0].device if grads else comm.group.device
+    if norm_type == float("inf"):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+        return comm.all_reduce(local.float().reshape(1), ReduceOp.MAX, "gradient norm").wait()[0]
+    # fp64 accumulation: the sum of squares of millions of fp32 elements loses digits in fp32
+    local_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    for grad in grads:
+        local_sum += grad.double().abs().pow(norm_type).sum()
+    total = comm.all_reduce(local_sum, ReduceOp.SUM, "gradient norm").wait()
+    return total[0].pow(1.0 / norm_type).float()
+
+
+def clip_by_global_norm(pieces: list[nn.Parameter], comm: Comm, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale every slice's gradient so the global norm is at most ``max_norm``; returns the norm before."""
+    total = global_grad_norm(pieces, comm, norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in _grads(pieces):
+        grad.mul_(coefficient.to(grad.dtype))
+    return total
+
+
+def clip_by_value(pieces: list[nn.Parameter], clip_value: float) -> None:
+    """Element-wise clipping needs no communication: each element lives on exactly one rank."""
+    for grad in _grads(pieces):
+        grad.clamp_(-clip_value, clip_value)
+
+
+def unscale_and_find_overflow(pieces: list[nn.Parameter], comm: Comm, inv_scale: float) -> bool:
+    """Multiply the gradients by ``inv_scale``; True if any rank holds an inf/NaN. Collective: all ranks agree."""
+    grads = _grads(pieces)
+    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else comm.group.device)
+    for grad in grads:
+        if inv_scale != 1.0:
+            grad.mul_(inv_scale)
+        found += (~torch.isfinite(grad)).any().float()
+    # The one host read of an fp16 step: whether to skip it is a host decision (torch's GradScaler reads its
+    # found-inf flag the same way). bf16 and fp32 never get here.
+    return bool(comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait().item() > 0)
+
+
+def first_nonfinite_parameter(flats: Iterable[FlatParam], comm: Comm) -> str | None:
+    """The first parameter (in flat order, lowest rank first) whose reduced gradient is not finite. Collective."""
+    rank = comm.rank
+    local: str | None = None
+    for flat in flats:
+        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+            if local is None and piece.grad is not None and not bool(torch.isfinite(piece.grad).all()):
+                bad = int((~torch.isfinite(piece.grad)).nonzero()[0].item()) + offset
+                overlaps = flat.layout.overlaps(rank)
+                local = next(o.name for o in overlaps if o.shard_start <= bad < o.shard_start + o.numel)
+    names = comm.all_gather_object(local, "first non-finite gradient")
+    return next((name for name in names if name is not None), None)

@@ -1,0 +1,106 @@
+"""Parameters that produced no gradient in a step are not stepped.
+
+[Note: unused parameters]
+torch optimizers skip a parameter whose ``.grad`` is None: no weight decay, no momentum, no change. A master slice
+covers several parameters, and the reduced slice holds zeros where a parameter produced no gradient, so an
+optimizer would decay and move it. Pieces made only of such parameters get ``grad=None`` (the optimizer skips
+them, state untouched); in mixed pieces the unused elements and their element-wise optimizer state are put back
+after the step.
+
+"Unused" means unused on *every* rank, as with DDP(find_unused_parameters=True): a parameter that one rank used
+(mixture-of-experts routing, a branch taken on some batches) gets the average of every rank's gradient, zeros from
+the ranks that did not use it, and is stepped everywhere. Ranks agree once per optimizer step: each contributes a
+bitmap of the parameters it produced a gradient for since the last step, and one all-reduce (MAX, one byte per
+parameter tensor of the optimizer; through the shared-memory counters on one host's CPU ranks) gives every rank the
+same answer, so every rank steps the same elements.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from zero_strategy.core.comm.comm import Comm, ReduceOp
+from zero_strategy.core.comm.streams import host_to_device
+from zero_strategy.core.flat.flat_param import FlatParam
+
+Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
+
+
+def agree_on_used(flats: list[FlatParam], comm: Comm) -> None:
+    """Collective over ``comm`` (every rank of the run): make every FlatParam's ``grads.seen`` mean "some rank
+    produced a gradient for it this step"."""
+    for flat in flats:
+        flat.grads.note_local_use()
+    seen = [seen for flat in flats for seen in flat.grads.seen]
+    if not seen:
+        return
+    bitmap = host_to_device(torch.tensor(seen, dtype=torch.uint8), comm.group.device, torch.uint8)
+    agreed_on_device = comm.all_reduce(bitmap, ReduceOp.MAX, "agreement on used parameters").wait()
+    if all(seen):
+        # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common
+        # case (every parameter used here) costs no host synchronisation on a GPU.
+        return
+    agreed = agreed_on_device.tolist()
+    offset = 0
+    for flat in flats:
+        flat.grads.seen = [bool(used) for used in agreed[offset : offset + len(flat.grads.seen)]]
+        offset += len(flat.grads.seen)
+
+
+def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:
+    """Before the step: drop gradients of wholly unused pieces, remember unused elements of the others."""
+    saved: Saved = []
+    for flat in flats:
+        unused = flat.grads.unused_ranges(flat.rank)
+        if not unused:
+            continue
+        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+            end = offset + piece.numel()
+            inside = [
+                (max(lo, offset) - offset, min(hi, end) - offset) for lo, hi in unused if lo < end and hi > offset
+            ]
+            if not inside:
+                continue
+            if sum(hi - lo for lo, hi in inside) == piece.numel():
+                piece.grad = None  # nothing in it was used: the optimizer skips it entirely
+                continue
+            state = optimizer.state.get(piece, {})
+            if "step" in state:
+                _warn_shared_step_counter(flat, inside, offset)
+            tensors = [piece.data] + [
+                value for value in state.values()
+                if isinstance(value, Tensor) and value.shape == piece.shape and value.dim() > 0
+            ]
+            saved += [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in inside]
+    return saved
+
+
+_warned: set[int] = set()
+
+
+def _warn_shared_step_counter(flat: FlatParam, inside: list[tuple[int, int]], offset: int) -> None:
+    """Elements are put back exactly, but a per-tensor step counter (Adam's bias correction) is one per master
+    piece: it advances for the unused parameters too, which torch would not do. Said once per FlatParam."""
+    if id(flat) in _warned:
+        return
+    _warned.add(id(flat))
+    names = {o.name for o in flat.layout.overlaps(flat.rank)
+             if any(o.shard_start < offset + hi and o.shard_start + o.numel > offset + lo for lo, hi in inside)}
+    warnings.warn(
+        f"ZeRO: parameters {sorted(names)} produced no gradient on any rank in a step but share a master piece with "
+        "parameters that did; they are not moved, but the optimizer's step counter of that piece advances for them "
+        "(Adam's bias correction then differs slightly from DDP's). Make them a unit of their own (e.g. each expert "
+        "one unit, the default for ModuleList children) to be exact.",
+        stacklevel=3,
+    )
+
+
+def restore_unused(saved: Saved) -> None:
+    """After the step: put the unused elements (and their optimizer state) back."""
+    for view, original in saved:
+        view.copy_(original)

@@ -1,0 +1,206 @@
+"""The optimizer step as an explicit lifecycle, per optimizer: accumulate, reduce, step, publish.
+
+[Note: the step window]
+Each optimizer's step moves through three phases, and every call checks the phase it needs:
+
+- ACCUMULATING: backward passes add gradients (stage 1 keeps them on the module; stages 2/3 reduce each backward's
+  into the master pieces). Nothing has been agreed this step.
+- REDUCED: the ranks agreed, once, on which parameters some rank used (see [Note: unused parameters]), every pending
+  gradient was reduced into the master pieces and, with hybrid sharding, averaged over the replicas. Unscaling,
+  the overflow check, norms and clipping read the gradients here (manual optimization clips between backward and
+  ``opt.step()``). A further backward's gradients are reduced when the next call asks.
+- STEPPING: the elements no rank used are saved, and every rank is done reading the host-wide parameters (a barrier,
+  see [Note: shared-memory gathers]): the optimizer may step the master pieces. Leaving it either publishes the new
+  slices to the module's parameters (stages 1/2 re-gather them; stage 3 drops its gathered copies) behind the
+  second barrier, or discards the step's gradients on every rank (a skipped fp16 step).
+
+``zero_grad()`` (or a skipped step) returns the optimizer to ACCUMULATING from anywhere but STEPPING.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from zero_strategy.core.comm.plan import CommPlan
+from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.in_place_watch import OVERWRITTEN
+from zero_strategy.core.flat.placement import Placement
+from zero_strategy.core.runtime.unit import ZeroUnit
+from zero_strategy.core.stage import ZeroStage
+from zero_strategy.core.step import gradients
+from zero_strategy.core.step.chunked_step import chunked_step
+from zero_strategy.core.step.hybrid import average_over_replicas
+from zero_strategy.core.step.unused import Saved, agree_on_used, protect_unused, restore_unused
+
+
+class StepPhase(Enum):
+    """Where one optimizer's step stands (see [Note: the step window])."""
+
+    ACCUMULATING = auto()
+    REDUCED = auto()
+    STEPPING = auto()
+
+
+class StepOrderError(RuntimeError):
+    """A step call came in the wrong phase (e.g. ``step`` outside the window, or the window entered twice)."""
+
+
+@dataclass(slots=True)
+class OptimizerStep:
+    """One optimizer's step in progress."""
+
+    phase: StepPhase = StepPhase.ACCUMULATING
+    overflow: bool | None = None  # fp16: the agreed answer of this step's overflow check, once unscaled
+    saved_unused: Saved = field(default_factory=list)  # elements no rank used, put back after the step
+
+
+class StepWindows:
+    """The step lifecycle of every optimizer of one engine (see [Note: the step window])."""
+
+    def __init__(
+        self, units: list[ZeroUnit], stage: ZeroStage, comms: CommPlan, placement: Placement | None,
+        chunk_numel: int, optimizers: list[Optimizer],
+    ) -> None:
+        self.units = units
+        self.stage = stage
+        self.comms = comms
+        self.placement = placement
+        self.chunk_numel = chunk_numel
+        self.optimizers = optimizers
+        self.steps = [OptimizerStep() for _ in optimizers]
+
+    def flats_of(self, index: int | None) -> Iterator[FlatParam]:
+        for unit in self.units:
+            for flat in unit.flat_params:
+                if index is None or flat.spec.optimizer_index == index:
+                    yield flat
+
+    def pieces_of(self, index: int) -> list[nn.Parameter]:
+        return [piece for flat in self.flats_of(index) for piece in flat.master_pieces]
+
+    def _expect(self, index: int, *phases: StepPhase, doing: str) -> OptimizerStep:
+        step = self.steps[index]
+        if step.phase not in phases:
+            raise StepOrderError(
+                f"ZeRO: cannot {doing} while optimizer {index} ({type(self.optimizers[index]).__name__}) is "
+                f"{step.phase.name} (see [Note: the step window]): step through engine.step_window(optimizer) "
+                "(Lightning: opt.step() / the precision plugin), once per step."
+            )
+        return step
+
+    # ------------------------------------------------------------------------------------ ACCUMULATING → REDUCED
+    def reduce(self, index: int) -> None:
+        """Bring every gradient of optimizer ``index`` produced so far onto its master pieces (see the Note).
+        Collective: every rank calls it at the same point."""
+        step = self.steps[index]
+        force: Callable[[FlatParam], bool] | None = None
+        if step.phase is StepPhase.ACCUMULATING:
+            flats = list(self.flats_of(index))
+            # a parameter used in one shard group is reduced over its replicas: the agreement spans every rank
+            agree_on_used(flats, self.comms.everyone)
+            self.comms.shard.verify_step()
+            step.phase = StepPhase.REDUCED
+            # stage 1: every rank reduces every FlatParam some rank used (zeros where it has no gradient), so the
+            # ranks issue the same reductions
+            force = None if self.stage.reduces_every_microstep else _used_by_some_rank
+        # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
+        # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
+        for unit in self.units:
+            unit.start_reduce(index, force=force)
+        for unit in self.units:
+            unit.finish_reduce()
+        flats = list(self.flats_of(index))
+        for flat in flats:
+            flat.grads.settle_host_copies()  # offload on a GPU: the host reads the gradients next
+        replicas = self.comms.replicas
+        if replicas is not None and replicas.count > 1:  # hybrid sharding: once per step (see [Note: hybrid ...])
+            for flat in flats:
+                average_over_replicas(flat, replicas)
+
+    # ------------------------------------------------------------------------------------- reading the gradients
+    def grad_norm(self, index: int, norm_type: float) -> Tensor:
+        self.reduce(index)
+        return gradients.global_grad_norm(self.pieces_of(index), self.comms.shard, norm_type)
+
+    def clip_grad_norm(self, index: int, max_norm: float, norm_type: float) -> Tensor:
+        self.reduce(index)
+        return gradients.clip_by_global_norm(self.pieces_of(index), self.comms.shard, max_norm, norm_type)
+
+    def clip_grad_value(self, index: int, clip_value: float) -> None:
+        self.reduce(index)
+        gradients.clip_by_value(self.pieces_of(index), clip_value)
+
+    def unscale_and_check_overflow(self, index: int, inv_scale: float) -> bool:
+        """Once per step (see ZeroEngine.unscale_and_check_overflow)."""
+        step = self.steps[index]
+        if step.overflow is None:
+            self.reduce(index)
+            step.overflow = gradients.unscale_and_find_overflow(self.pieces_of(index), self.comms.shard, inv_scale)
+        return step.overflow
+
+    def first_nonfinite_param(self, index: int) -> str | None:
+        return gradients.first_nonfinite_parameter(self.flats_of(index), self.comms.shard)
+
+    # ---------------------------------------------------------------------------------------------- stepping
+    def enter(self, index: int) -> None:
+        """→ STEPPING: gradients reduced, unused elements saved, peers done reading our host-wide slices."""
+        self._expect(index, StepPhase.ACCUMULATING, StepPhase.REDUCED, doing="enter the step window")
+        self.reduce(index)
+        # parameters that produced no gradient on any rank must not move
+        self.steps[index].saved_unused = protect_unused(self.flats_of(index), self.optimizers[index])
+        self.barrier_for_host_wide_parameters("before the optimizer step")
+        self.steps[index].phase = StepPhase.STEPPING
+
+    def step(self, index: int, **kwargs: Any) -> Any:
+        """Step the user's optimizer on the master slices (in chunks when they live in files)."""
+        self._expect(index, StepPhase.STEPPING, doing="step the optimizer")
+        optimizer = self.optimizers[index]
+        if self.placement is not None and self.placement.store is not None:
+            chunked_step(optimizer, self.chunk_numel, self.placement.store)
+            return None
+        return optimizer.step(**kwargs)
+
+    def publish(self, index: int) -> None:
+        """STEPPING → ACCUMULATING: the updated slices reach the module's parameters (stages 1/2 gather them;
+        stage 3 only drops any gathered copy so the next forward gathers the new values)."""
+        step = self._expect(index, StepPhase.STEPPING, doing="publish the step")
+        restore_unused(step.saved_unused)
+        works = []
+        for flat in self.flats_of(index):
+            flat.grads.stepped()
+            if flat.keeps_full and not flat.storage.shard_aliases_full:  # the masters overwrite the parameters next
+                flat.in_place.check(OVERWRITTEN)  # see [Note: in-place changes outside the optimizer]
+            flat.storage.refresh_device_source()
+            works.append(flat.start_publish())  # all gathers are posted before the first wait
+        for work in works:
+            work.wait()
+        self.barrier_for_host_wide_parameters("after the optimizer step")  # our slices complete before peers read
+        self.steps[index] = OptimizerStep()
+
+    def discard(self, index: int) -> None:
+        """Any phase → ACCUMULATING, dropping every gradient of optimizer ``index`` (a skipped step changes
+        nothing; ``zero_grad``)."""
+        for flat in self.flats_of(index):
+            flat.grads.discard()
+        self.steps[index] = OptimizerStep()
+
+    def on_zero_grad(self, index: int) -> None:
+        """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
+        self._expect(index, StepPhase.ACCUMULATING, StepPhase.REDUCED, doing="zero_grad()")
+        self.discard(index)
+
+    def barrier_for_host_wide_parameters(self, label: str) -> None:
+        """One of the barriers of the write rule of host-wide parameters (see [Note: shared-memory gathers]); its
+        waiting time is logged as blocked on "barrier". Nothing when the parameters are private."""
+        if self.comms.host_shared:
+            self.comms.shard.barrier(label).wait()
+
+
+def _used_by_some_rank(flat: FlatParam) -> bool:
+    return any(flat.grads.seen)
