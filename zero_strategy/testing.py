@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -86,3 +87,37 @@ def run_ranks(
                 proc.kill()
                 proc.join()
     return [collected[rank] for rank in range(world_size)]
+
+
+def run_in_process(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks simulated by threads of this process (no process
+    group: an engine built inside ``fn`` without one shards over the simulated world; see
+    zero_strategy/core/comm/in_process.py for what this can and cannot simulate). Returns the per-rank results in
+    rank order; the first rank's exception is raised."""
+    from zero_strategy.core.comm.in_process import InProcessWorld
+    from zero_strategy.core.plan.topology import simulated_rank
+
+    world = InProcessWorld(world_size, timeout_s=timeout_s)
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            with simulated_rank(world.group(rank)):
+                results[rank] = fn(rank, world_size, *args)
+        except BaseException as error:  # handed to the caller; the peers' waits fail at once
+            errors.append((rank, error))
+            world.abort(f"rank {rank}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank-{rank}") for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    if any(thread.is_alive() for thread in threads):
+        world.abort("the harness timed out")
+        raise RankFailed(f"simulated ranks did not finish within {timeout_s:.0f} s (hang?)")
+    if errors:
+        rank, error = errors[0]  # the first to fail: its peers' errors follow from it
+        raise RankFailed(f"rank {rank} raised: {type(error).__name__}: {error}") from error
+    return results

@@ -54,7 +54,7 @@ def _parity_run(rank: int, world: int) -> list[dict]:
     model = make_model()
     optimizer = _optimizer(model)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, hierarchical_params="node"))
-    assert engine.ctx.param_group is not None and engine.ctx.param_group.size == PER_NODE
+    assert engine.comms.secondary is not None and engine.comms.secondary.size == PER_NODE
     states = []
     for micro in make_batches(STEPS, ACCUM, GLOBAL_BATCH):
         optimizer.zero_grad()
@@ -130,13 +130,13 @@ def hierarchical_worker(rank: int, world: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         engine = ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=4))
-        out["world groups"] = engine.ctx.param_group  # K = the world: nothing to save, no copy
+        out["world groups"] = engine.comms.secondary  # K = the world: nothing to save, no copy
         engine.release()
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # 4 nodes of 1: groups of 2 span nodes
         ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=2)).release()
         os.environ["LOCAL_WORLD_SIZE"] = "4"  # one node: the world gather stays inside it, no copy is built
         engine = ZeroEngine(make_model(), [], ZeroConfig(stage=3, hierarchical_params=2))
-        out["one node groups"] = engine.ctx.param_group
+        out["one node groups"] = engine.comms.secondary
         engine.release()
         os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]

@@ -1,4 +1,5 @@
-"""The point-to-point all-gather and reduce-scatter (gloo's default) against torch's own collectives."""
+"""The point-to-point Comm (gloo's default) against torch's own collectives, and the bytes it counts per peer
+against the bytes each exchange must send, computed by hand."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import torch.distributed as dist
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core.comm.comm import ReduceOp
+from zero_strategy.core.comm.group import Group
+from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.comm.plan import network_comm
+from zero_strategy.core.comm.point_to_point import PointToPointComm
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.transport import point_to_point
-from zero_strategy.core.transport.collectives import CommunicationLog, prefers_point_to_point, start_reduce_scatter_mean
 from zero_strategy.testing import run_ranks
 
 
-def exchange_worker(rank: int, world_size: int, use_subgroup: bool) -> dict[str, bool]:
+def exchange_worker(rank: int, world_size: int, use_subgroup: bool) -> dict[str, object]:
     group = None
     if use_subgroup:  # the odd ranks only: group ranks differ from global ranks
         members = [r for r in range(world_size) if r % 2 == 1]
@@ -31,19 +35,25 @@ def exchange_worker(rank: int, world_size: int, use_subgroup: bool) -> dict[str,
     reference_reduce = torch.empty(1001)
     dist.reduce_scatter_tensor(reference_reduce, flat.clone(), group=group)
 
+    log = CommunicationLog()
+    comm = network_comm(group, "auto", log)
     # Two exchanges in flight at once (a prefetch gather while a reduction runs), waited in reverse order.
     gathered = torch.empty(world * 1001)
-    reduced = torch.empty(1001)
-    gather = point_to_point.all_gather(gathered, shard, group)
-    reduce = point_to_point.reduce_scatter_sum(reduced, flat, group)
-    reduce.wait()
+    gather = comm.all_gather(gathered, shard, "unit")
+    reduce = comm.reduce_scatter(flat, "unit")
+    mean = reduce.wait()
     gather.wait()
-    mean = start_reduce_scatter_mean(flat, group, CommunicationLog(), point_to_point=True).wait()
+    maximum = comm.all_reduce(torch.tensor([float(rank), -float(rank)]), ReduceOp.MAX, "flags").wait()
+    total = comm.all_reduce(torch.full((3,), float(rank + 1)), ReduceOp.SUM, "norm").wait()
     return {
         "gather_equal": torch.equal(gathered, reference_gather),
-        "reduce_close": torch.allclose(reduced, reference_reduce, rtol=1e-6, atol=1e-6),
         "mean_close": torch.allclose(mean, reference_reduce / world, rtol=1e-6, atol=1e-6),
-        "prefers_p2p_on_gloo": prefers_point_to_point(group),
+        "point_to_point_on_gloo": isinstance(comm, PointToPointComm),
+        "max": maximum.tolist(),
+        "sum": total.tolist(),
+        "moved": dict(log.bytes_by_peer),
+        "members": list(Group.of(group).members),
+        "me": dist.get_rank(),
     }
 
 
@@ -51,18 +61,28 @@ def exchange_worker(rank: int, world_size: int, use_subgroup: bool) -> dict[str,
 @pytest.mark.parametrize(("world_size", "use_subgroup"), [(2, False), (4, False), (4, True)])
 def test_exchanges_match_torch_collectives(world_size: int, use_subgroup: bool) -> None:
     results = [r for r in run_ranks(exchange_worker, world_size, use_subgroup, timeout_s=50) if r]
-    assert len(results) == (2 if use_subgroup else world_size)
+    group_size = 2 if use_subgroup else world_size
+    assert len(results) == group_size
     for result in results:
-        assert result == {"gather_equal": True, "reduce_close": True, "mean_close": True, "prefers_p2p_on_gloo": True}
+        assert result["gather_equal"] and result["mean_close"] and result["point_to_point_on_gloo"]
+        assert result["max"] == [group_size - 1, 0.0]
+        assert result["sum"] == [group_size * (group_size + 1) / 2] * 3
+        # Bytes handed to isend, per peer, computed by hand: the gather sends the 1001-float shard to every peer and
+        # the reduce-scatter each peer's 1001-float chunk; the max sends the 2 floats to every peer; the sum of 3
+        # floats pads to ceil(3/N)·N, then sends each peer its chunk and then this rank's chunk (ceil(3/N) each way).
+        chunk = -(-3 // group_size)
+        expected = 4 * (1001 + 1001 + 2 + 2 * chunk)
+        peers = [member for member in result["members"] if member != result["me"]]
+        assert result["moved"] == dict.fromkeys(peers, expected)
 
 
 ORDER_SENSITIVE = [1.0, 2.0**24, 1.0, -(2.0**24)]  # rank r contributes ORDER_SENSITIVE[r] to every element
 
 
 def reduction_order_worker(rank: int, world_size: int) -> list[float]:
-    out = torch.empty(3)
-    point_to_point.reduce_scatter_sum(out, torch.full((world_size * 3,), ORDER_SENSITIVE[rank]), None).wait()
-    return out.tolist()
+    comm = network_comm(None, "point_to_point", CommunicationLog())
+    summed = comm.all_reduce(torch.full((world_size * 3,), ORDER_SENSITIVE[rank]), ReduceOp.SUM, "order").wait()
+    return summed[:3].tolist()
 
 
 @pytest.mark.timeout(60)

@@ -48,7 +48,7 @@ def release_worker(rank: int, world_size: int) -> dict:
         "still_tied": tied and model.head.weight is model.emb.weight,
     }
     # a later engine over the same module (Lightning: test() after fit()) reads its slices back
-    plan = ReleasedShards(engine.flat_params, engine.ctx.rank).plan_for(model)
+    plan = ReleasedShards(engine.flat_params).plan_for(model)
     values = InitialValues(pretrained=Pretrained(plan), device=torch.device("cpu"))
     again = ZeroEngine(model, [], ZeroConfig(stage=3), initial_values=values)
     out["taken_back_full"] = again.release(full=True)

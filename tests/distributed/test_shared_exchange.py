@@ -14,25 +14,30 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
-from zero_strategy.core.transport import shared_exchange
-from zero_strategy.core.transport.collectives import CommunicationLog
+from zero_strategy.core.comm import plan as comm_plan
+from zero_strategy.core.comm import shm_exchange
+from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.comm.plan import network_comm
+from zero_strategy.core.comm.shared_memory import SharedMemoryComm
 from zero_strategy.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(not shared_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")
+pytestmark = pytest.mark.skipif(not shm_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")
+
+
+def _shared(engine: ZeroEngine) -> SharedMemoryComm | None:
+    shard = engine.comms.shard
+    return shard if isinstance(shard, SharedMemoryComm) else None
 
 
 def train_worker(rank, world_size, stage, collectives, accum, bf16, arena_cap):
     if arena_cap is not None:  # FlatParams above the cap reduce point-to-point, the others through shared memory
-        shared_exchange.ARENA_CAP_BYTES = arena_cap
-        import zero_strategy.core.transport.choice as choice
-
-        choice.ARENA_CAP_BYTES = arena_cap
+        comm_plan.ARENA_CAP_BYTES = arena_cap
     model = make_model(n_blocks=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives=collectives), policy=policy)
-    exchange = engine.exchange
-    through_shared = [exchange is not None and exchange.fits(flat.reduce_bytes) for flat in engine.flat_params]
+    exchange = _shared(engine)
+    through_shared = [isinstance(flat.comm, SharedMemoryComm) for flat in engine.flat_params]
     if rank == 1:  # a lagging rank: peers reach every exchange before it has written its part
         for block in model.blocks:
             block.register_full_backward_hook(lambda *args: time.sleep(0.02))
@@ -64,17 +69,24 @@ def test_shared_memory_exchanges_equal_point_to_point_bit_for_bit(stage, world_s
     flats, steps = len(shared[0]["through_shared"]), 3
     # what went through shared memory, per step: every FlatParam's reduction (stage 1 once per step, stages 2/3 per
     # micro-batch), at stages 1/2 its gather of the updated slices, the agreement on used parameters and, at stage
-    # 3, the two barriers around the step that guard the host-wide parameters
+    # 3, the two barriers around the step that guard the host-wide parameters (plus, once, the barrier after
+    # construction: every rank wrote its slices of them before any reads)
     reductions = 1 if stage == 1 else accum
     gathers = 0 if stage == 3 else 1
     per_step = flats * (reductions + gathers) + 1 + (2 if stage == 3 else 0)
     for got, expected in zip(shared, network, strict=True):
         assert all(got["through_shared"]) and not any(expected["through_shared"])
-        assert got["posted"] == steps * per_step and expected["posted"] == 0
+        assert got["posted"] == steps * per_step + (1 if stage == 3 else 0) and expected["posted"] == 0
         torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
-        for kind in ("reduce_scatter", "all_gather"):  # the log counts the same exchanges, whatever carried them
+        # the log counts the same exchanges, whatever carried them; stage 3 on one host reads its parameters in
+        # place (see [Note: shared-memory gathers]): no gathers at all, where the network path gathers every unit
+        kinds = ("reduce_scatter",) if stage == 3 else ("reduce_scatter", "all_gather")
+        for kind in kinds:
             assert [step[kind] for step in got["bytes"]] == [step[kind] for step in expected["bytes"]]
-        if stage != 3:  # at stage 3 the network gathers add the divergence watch's per-step checksum
+        if stage == 3:
+            assert all(step.get("all_gather", 0) == 0 for step in got["bytes"])
+            assert all(step["all_gather"] > 0 for step in expected["bytes"])
+        else:  # at stage 3 the network gathers add the divergence watch's per-step checksum
             assert [step["all_reduce"] for step in got["bytes"]] == [step["all_reduce"] for step in expected["bytes"]]
 
 
@@ -100,7 +112,7 @@ def absent_peer_worker(rank, world_size, how, misses):
     model = make_model(n_blocks=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, process_group_timeout_s=1.0))
-    assert engine.exchange is not None and (stage == 2 or engine.shared is not None)
+    assert _shared(engine) is not None and (stage == 2 or engine.comms.host_shared)
     (tokens,) = make_batches(1, 1, 4)[0]
     if misses == "step":
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
@@ -115,7 +127,7 @@ def absent_peer_worker(rank, world_size, how, misses):
         else:
             with engine.step_window(optimizer):
                 optimizer.step()
-    except shared_exchange.SharedReductionError as error:
+    except shm_exchange.SharedReductionError as error:
         return {"message": str(error), "seconds": time.monotonic() - started}
     return {"message": "", "seconds": time.monotonic() - started}
 
@@ -145,17 +157,19 @@ def test_a_peer_that_skips_the_step_is_an_error_naming_the_agreement(how, expect
 def slack_worker(rank, world_size, late_s):
     """Rank 0 asks for ``ARENAS + 1`` arenas in a row and posts into each; rank 1 arrives ``late_s`` later. Right
     after each arena is handed out, rank 0 notes how far the peer had got (its posted and done counters)."""
-    exchange = shared_exchange.SharedExchange(None, rank, world_size, 0, 4096, 20.0)
-    assert exchange.connect()
     log = CommunicationLog()
+    network = network_comm(None, "point_to_point", log)
+    exchange = shm_exchange.SharedExchange(network, 4096, 20.0, log)
+    assert exchange.connect()
+    comm = SharedMemoryComm(exchange, network)
     if rank == 1:  # a peer that is late to every exchange
         time.sleep(late_s)
     peer_progress, operations = [], []
-    for index in range(shared_exchange.ARENAS + 1):
-        buffer = exchange.next_buffer(8, torch.float32)
+    for index in range(shm_exchange.ARENAS + 1):
+        buffer = comm.reduce_input(8, torch.float32, torch.device("cpu"))
         peer_progress.append((exchange._posted[1 - rank].value, exchange._done[1 - rank].value))
         buffer.fill_(10 * index + rank)
-        operations.append(exchange.start_reduce(buffer, log, f"unit {index}"))
+        operations.append(comm.reduce_scatter(buffer, f"unit {index}"))
     return {"peer_progress": peer_progress, "results": [operation.wait().tolist() for operation in operations]}
 
 

@@ -4,6 +4,7 @@ apart, read in place, and they leave nothing in /dev/shm."""
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 
@@ -15,27 +16,28 @@ from helpers.storage import mapped_pages
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import memory_report
-from zero_strategy.core.transport import shared_shards
+from zero_strategy.core.comm import host_segments
+from zero_strategy.core.comm import plan as comm_plan
 from zero_strategy.testing import run_ranks
 
 
 def _our_files(rank: int | None = None) -> list[str]:
     """Shard files in /dev/shm (of one rank: the others unlink theirs on their own time)."""
-    names = [name for name in os.listdir(shared_shards.SHM_DIR) if name.startswith("zero-shards-")]
+    names = [name for name in os.listdir(host_segments.SHM_DIR) if name.startswith("zero-shards-")]
     return [name for name in names if rank is None or f"-r{rank}-" in name]
 
 
 def train_worker(rank, world_size, collectives, slow_rank, sabotage):
     if sabotage == "no_room":
-        shared_shards._free_bytes = lambda path: 0
+        comm_plan.free_bytes = lambda path=host_segments.SHM_DIR: 0
     if sabotage == "full_at_allocation" and rank == 1:  # /dev/shm filled up after the space check
         def no_space(descriptor, offset, length):
             raise OSError(28, "No space left on device")
-        shared_shards.os.posix_fallocate = no_space
+        host_segments.os.posix_fallocate = no_space
     if sabotage == "cannot_map" and rank == 1:
         def refuse(*args):
             raise FileNotFoundError("a separate /dev/shm")
-        shared_shards.SharedShards._map = refuse
+        host_segments.HostSegments._map = refuse
     model = make_model(n_blocks=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
@@ -52,7 +54,7 @@ def train_worker(rank, world_size, collectives, slow_rank, sabotage):
             if rank == slow_rank:  # and late to write: peers must not gather its shards before they are new
                 time.sleep(0.05)
             optimizer.step()
-    shared = engine.shared is not None and engine.shared.connected
+    shared = engine.comms.host_shared
     engine.release()
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     warned = [str(w.message) for w in caught if "shared-memory gathers unavailable" in str(w.message)]
@@ -76,8 +78,12 @@ def test_shared_memory_gathers_match_network_gathers_with_lagging_rank(world_siz
 
 @pytest.mark.timeout(60)
 def test_no_room_in_dev_shm_falls_back_to_network_gathers():
+    """...and says so once, with the room needed and the room there (the memory per rank changes: each rank then
+    holds the units it gathers)."""
     for result in run_ranks(train_worker, 2, "auto", None, "no_room", timeout_s=50):
         assert not result["shared"]
+        assert len(result["warned"]) == 1, result["warned"]
+        assert re.search(r"[\d.]+ [KMG]i?B free in /dev/shm \(0 B free here\).*point-to-point", result["warned"][0])
 
 
 @pytest.mark.timeout(60)
@@ -108,9 +114,9 @@ def in_place_worker(rank, world_size):
     blocks = [by_unit[f"blocks.{i}"] for i in range(3)]
 
     def peers(flat):  # every rank's slice but ours
-        node = flat.node_shared
-        size = node.values.element_size()
-        return node.values[node.own_bytes[1] // size :] if rank == 0 else node.values[: node.own_bytes[0] // size]
+        node = flat.storage.full
+        size = node.tensor.element_size()
+        return node.tensor[node.own_bytes[1] // size :] if rank == 0 else node.tensor[: node.own_bytes[0] // size]
 
     # peer pages mapped, per block, in the middle of each block's forward and at the end of each block's backward
     held = []
@@ -124,12 +130,12 @@ def in_place_worker(rank, world_size):
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
         engine.optimizer_step(optimizer)
     flat = blocks[1]
-    node = flat.node_shared
-    assert node is not None
-    size = node.values.element_size()
-    own = node.values[node.own_bytes[0] // size : node.own_bytes[1] // size]
+    node = flat.storage.full
+    assert node.readable_in_place
+    size = node.tensor.element_size()
+    own = node.tensor[node.own_bytes[0] // size : node.own_bytes[1] // size]
     # the module's parameters are views of the node's buffer: nothing is gathered into a private copy
-    same_storage = all(p.untyped_storage().data_ptr() == node.values.untyped_storage().data_ptr() for p in flat.params)
+    same_storage = all(p.untyped_storage().data_ptr() == node.tensor.untyped_storage().data_ptr() for p in flat.params)
     # the master slice the optimizer stepped is this rank's slice of it
     master_is_slice = flat.shard.data_ptr() == own.data_ptr()
     released = (mapped_pages(own), mapped_pages(peers(flat)))

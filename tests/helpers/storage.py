@@ -15,7 +15,7 @@ def host_shared_storages(engine: Any) -> dict[int, int]:
     CPU keeps each FlatParam's parameter buffer once per host in shared memory."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     flats = engine.flat_params if engine is not None else []
-    return {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.node_shared is not None}
+    return {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.storage.full.readable_in_place}
 
 
 def private_storage_bytes(tensors: Iterable[Tensor], engine: Any) -> int:

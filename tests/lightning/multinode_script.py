@@ -50,10 +50,10 @@ class Observe(pl.Callback):
         if isinstance(trainer.strategy, ZeroStrategy):
             engine = trainer.strategy.engine
             topology = engine.comm_log.topology
-            replicas = engine.ctx.replicas.count if engine.ctx.replicas else 1
+            replicas = engine.ctx.replica_count
             self.seen.update(nodes=topology.num_nodes if topology else 1, links=dict(engine.comm_log.bytes_by_link),
                              shard_world=engine.ctx.world_size, replicas=replicas,
-                             param_group=engine.ctx.param_group.size if engine.ctx.param_group else None)
+                             param_group=engine.comms.secondary.size if engine.comms.secondary else None)
 
 
 def fit(label: str, strategy: pl.strategies.Strategy, out: Path) -> None:

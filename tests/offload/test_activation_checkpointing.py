@@ -91,7 +91,7 @@ def kept_for_backward(rank: int, world: int, checkpointing: bool) -> int:
     loss = model(x).pow(2).mean()
     kept = _rss() - before
     loss.backward()
-    engine.prepare_step(opt)
+    engine.reduce_pending(opt)
     return kept
 
 

@@ -54,7 +54,7 @@ def _model_state_bytes(engine: ZeroEngine) -> int:
 def _gradient_bytes(engine: ZeroEngine) -> int:
     """Module ``.grad``, the stage-1 fp32 stash (memory_report does not see it) and the master slices' ``.grad``."""
     tensors = [p.grad for flat in engine.flat_params for p in flat.params]
-    tensors += [flat.grad_stash for flat in engine.flat_params]
+    tensors += [flat.grads.stash for flat in engine.flat_params]
     tensors += [piece.grad for flat in engine.flat_params for piece in flat.master_pieces]
     return StorageTally().bytes_of(tensors)
 

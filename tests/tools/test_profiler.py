@@ -27,8 +27,9 @@ class SlowReductions(Callback):
     through shared memory, where the wait for the peers' counters sleeps first)."""
 
     def setup(self, trainer: Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from zero_strategy.core.transport import point_to_point
-        from zero_strategy.core.transport.shared_exchange import SharedExchange
+        from zero_strategy.core.comm.point_to_point import PointToPointComm
+        from zero_strategy.core.comm.shm_exchange import SharedExchange
+        from zero_strategy.core.comm.work import Work
 
         wait_for_peers = SharedExchange.wait_for_peers
 
@@ -38,20 +39,19 @@ class SlowReductions(Callback):
 
         SharedExchange.wait_for_peers = slow_wait_for_peers  # stage 3 with shared shards: reductions only
 
-        original = point_to_point.reduce_scatter_sum
+        original = PointToPointComm.reduce_scatter
 
-        def slow_reduce_scatter_sum(*args, **kwargs):
-            work = original(*args, **kwargs)
-            wait = work.wait
+        def slow_reduce_scatter(self: PointToPointComm, *args, **kwargs) -> Work:
+            work = original(self, *args, **kwargs)
 
-            def slow_wait() -> bool:
-                time.sleep(REDUCTION_DELAY_S)
-                return wait()
+            def slow_wait():
+                with self.log.blocking("reduce_scatter"):  # the transport's own wait, as a slow network makes it
+                    time.sleep(REDUCTION_DELAY_S)
+                return work.wait()
 
-            work.wait = slow_wait
-            return work
+            return Work(slow_wait)
 
-        point_to_point.reduce_scatter_sum = slow_reduce_scatter_sum
+        PointToPointComm.reduce_scatter = slow_reduce_scatter
 
     def on_fit_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
         # and every optimizer step OPTIMIZER_DELAY_S longer (a step post-hook runs inside the timed step)

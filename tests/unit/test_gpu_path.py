@@ -19,17 +19,25 @@ from torch import nn
 
 from zero_strategy.checkpoint import load as ckpt_load
 from zero_strategy.checkpoint import rng
-from zero_strategy.core import gradients, unused
-from zero_strategy.core.transport import collectives
-from zero_strategy.core.transport.choice import DistContext, Transport
-from zero_strategy.core.transport.collectives import CommunicationLog
-from zero_strategy.core.transport.gather_watch import GatherWatch
+from zero_strategy.core.comm import backend, control, group, native
+from zero_strategy.core.comm.group import Group
+from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.comm.native import NativeComm
+from zero_strategy.core.comm.plan import watch_applies
+from zero_strategy.core.comm.watch import WatchState
+from zero_strategy.core.comm.watched import WatchedComm
+from zero_strategy.core.comm.work import Work
+from zero_strategy.core.step import gradients, unused
 
 META = torch.device("meta")
 
 
 class _Stop(Exception):
     """Raised by the fake collective once it recorded its argument (a meta tensor cannot be copied back)."""
+
+
+def _group(device: torch.device, size: int = 2) -> Group:
+    return Group(None, 0, size, tuple(range(size)), device)
 
 
 @pytest.fixture
@@ -41,16 +49,13 @@ def seen_devices(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
         devices.append(tensor.device)
         raise _Stop
 
-    # raising=False: code without the helper still runs, and fails the device assertion, not the set-up
-    monkeypatch.setattr(collectives, "collective_device", lambda group: META, raising=False)
-    monkeypatch.setattr(collectives, "_world", lambda group: 2)
-    monkeypatch.setattr(collectives.dist, "all_reduce", fake)
-    monkeypatch.setattr(collectives.dist, "broadcast", fake)
+    monkeypatch.setattr(native.dist, "all_reduce", fake)
+    monkeypatch.setattr(native.dist, "broadcast", fake)
     return devices
 
 
-def _transport() -> Transport:
-    return Transport(DistContext(None, 0, 2, 0), CommunicationLog())
+def _comm() -> NativeComm:
+    return NativeComm(_group(META), CommunicationLog())
 
 
 def _pieces(with_grads: bool) -> list[nn.Parameter]:
@@ -64,9 +69,9 @@ def _pieces(with_grads: bool) -> list[nn.Parameter]:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda pieces, t: gradients.global_grad_norm(pieces, t, 2.0),
-        lambda pieces, t: gradients.global_grad_norm(pieces, t, float("inf")),
-        lambda pieces, t: gradients.unscale_and_find_overflow(pieces, t, 0.5),
+        lambda pieces, c: gradients.global_grad_norm(pieces, c, 2.0),
+        lambda pieces, c: gradients.global_grad_norm(pieces, c, float("inf")),
+        lambda pieces, c: gradients.unscale_and_find_overflow(pieces, c, 0.5),
     ],
     ids=["norm_l2", "norm_inf", "overflow"],
 )
@@ -74,66 +79,73 @@ def test_scalar_collectives_run_on_the_group_device(
     seen_devices: list[torch.device], call: Any, with_grads: bool
 ) -> None:
     with pytest.raises(_Stop):
-        call(_pieces(with_grads), _transport())
+        call(_pieces(with_grads), _comm())
     assert seen_devices == [META]
 
 
-def test_used_parameter_bitmap_and_broadcasts_run_on_the_group_device(seen_devices: list[torch.device]) -> None:
-    flat = SimpleNamespace(grad_seen=[True, False], full=torch.zeros(2), note_local_use=lambda: None)
+def _flat_seeing(*seen: bool) -> Any:
+    return SimpleNamespace(grads=SimpleNamespace(seen=list(seen), note_local_use=lambda: None))
+
+
+def test_used_parameter_bitmap_broadcasts_and_gather_check_run_on_the_group_device(
+    seen_devices: list[torch.device],
+) -> None:
+    comm = _comm()
     with pytest.raises(_Stop):
-        unused.agree_on_used([flat], None, CommunicationLog())  # type: ignore[list-item]
+        unused.agree_on_used([_flat_seeing(True, False)], comm)
     with pytest.raises(_Stop):
-        collectives.broadcast_flat(torch.zeros(3), 0, None, CommunicationLog())
-    watch = object.__new__(GatherWatch)  # its thread and store are not what is under test
-    watch.group, watch.fingerprint = None, 7
-    watch.call = lambda what, collective: collective()  # type: ignore[method-assign]
+        comm.broadcast(torch.zeros(3), 0, "buffers")
+    watched = object.__new__(WatchedComm)  # its thread and store are not what is under test
+    watched.group, watched.log, watched._inner = comm.group, comm.log, comm
+    watched.watch = SimpleNamespace(state=WatchState.RUNNING, take_fingerprint=lambda: 7,  # type: ignore[assignment]
+                                    call=lambda label, exchange: exchange())
     with pytest.raises(_Stop):
-        watch.check_same_gathers(CommunicationLog())
+        watched.verify_step()
     assert seen_devices == [META, META, META]
 
 
 @pytest.mark.parametrize(
-    ("backend", "expected"),
+    ("backend_name", "expected"),
     [("nccl", torch.device("cuda", 2)), ("gloo", torch.device("cpu")), ("cpu:gloo,cuda:nccl", torch.device("cpu"))],
 )
 def test_the_group_device_follows_the_backend(
-    monkeypatch: pytest.MonkeyPatch, backend: str, expected: torch.device
+    monkeypatch: pytest.MonkeyPatch, backend_name: str, expected: torch.device
 ) -> None:
     """NCCL: this rank's current CUDA device (set by the launcher or Lightning), whatever the data's device."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend_name)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
-    assert collectives.collective_device(None) == expected
+    assert group.collective_device(None) == expected
 
 
-def test_no_gather_watch_on_a_gpu_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_gather_watch_on_a_gpu_group() -> None:
     """The watch waits in a thread of its own (the wrong CUDA stream there) and reads a flag back every step."""
-    from zero_strategy.core.transport.choice import choose_gather_watch
-
-    monkeypatch.setattr(collectives, "collective_device", lambda group: torch.device("cuda", 0), raising=False)
-    monkeypatch.setattr(collectives.dist, "get_process_group_ranks", lambda group: [0, 1])
-    monkeypatch.setattr(collectives.dist.distributed_c10d, "_get_default_store", lambda: None)
-    assert choose_gather_watch(DistContext(None, 0, 2, 0), True, None) is None
+    assert watch_applies(reshards=True, host_shared=False, group=_group(torch.device("cpu")))
+    assert not watch_applies(reshards=True, host_shared=False, group=_group(torch.device("cuda", 0)))
+    assert not watch_applies(reshards=True, host_shared=True, group=_group(torch.device("cpu")))
+    assert not watch_applies(reshards=False, host_shared=False, group=_group(torch.device("cpu")))
 
 
 def test_flat_buffers_on_the_wrong_device_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collectives, "collective_device", lambda group: torch.device("cuda", 0))
-    monkeypatch.setattr(collectives, "_world", lambda group: 2)
-    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    comm = NativeComm(_group(torch.device("cuda", 0)), CommunicationLog())
     with pytest.raises(RuntimeError, match="needs cuda:0"):
-        collectives.all_gather_flat(torch.zeros(4), torch.zeros(2), None, CommunicationLog())
+        comm.all_gather(torch.zeros(4), torch.zeros(2), "unit")
 
 
 def test_barrier_names_this_ranks_device_on_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(collectives, "collective_device", lambda group: torch.device("cuda", 3))
-    monkeypatch.setattr(collectives, "_world", lambda group: 2)
-    monkeypatch.setattr(collectives.dist, "barrier", lambda **kwargs: calls.append(kwargs))
-    collectives.barrier(None)
-    assert calls == [{"group": None, "device_ids": [3]}]
+    monkeypatch.setattr(torch.distributed, "barrier", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(control, "distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(control, "collective_device", lambda handle: torch.device("cuda", 3))
+    control.barrier(None)  # the adapters' barrier
+    backend.BackendComm.barrier(NativeComm(_group(torch.device("cuda", 3)), CommunicationLog()), "step")
+    assert calls == [{"group": None, "device_ids": [3]}] * 2
 
 
-def test_all_used_bitmap_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_used_bitmap_is_not_read_back() -> None:
     """Every parameter used here: the agreed bitmap is all ones whatever the peers sent, so it is not read back
     (a read is a host synchronisation on a GPU); with an unused parameter it is."""
 
@@ -141,12 +153,11 @@ def test_all_used_bitmap_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> No
         def tolist(self) -> Any:  # type: ignore[override]
             raise AssertionError("the agreed bitmap was read back")
 
-    monkeypatch.setattr(unused, "all_reduce_max", lambda tensor, group, log: tensor.as_subclass(NoRead))
-    used = SimpleNamespace(grad_seen=[True, True], full=torch.zeros(2), note_local_use=lambda: None)
-    unused.agree_on_used([used], None, CommunicationLog())  # type: ignore[list-item]
-    partly = SimpleNamespace(grad_seen=[True, False], full=torch.zeros(2), note_local_use=lambda: None)
+    comm = SimpleNamespace(group=_group(torch.device("cpu")),
+                           all_reduce=lambda tensor, op, label: Work.done(tensor.as_subclass(NoRead)))
+    unused.agree_on_used([_flat_seeing(True, True)], comm)  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match="read back"):
-        unused.agree_on_used([partly], None, CommunicationLog())  # type: ignore[list-item]
+        unused.agree_on_used([_flat_seeing(True, False)], comm)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------------- RNG
@@ -239,7 +250,7 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     profiler's device timing is never switched on."""
     from zero_strategy.config import ZeroConfig
     from zero_strategy.core.step.engine import ZeroEngine
-    from zero_strategy.core.transport.streams import CollectiveStreams
+    from zero_strategy.core.comm.streams import CollectiveStreams
 
     def no_cuda(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("torch.cuda used on a CPU run")
@@ -251,7 +262,7 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, min_unit_numel=1))
-    assert not engine.streams.enabled
+    assert engine.comms.streams is None
     assert CollectiveStreams(torch.device("cpu")).run("gather", lambda: None) is None
     before = [p.detach().clone() for p in engine.master_params(optimizer)]
     model(torch.randn(4, 8)).sum().backward()
@@ -262,17 +273,18 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_stream_wait_orders_the_current_stream_then_lets_its_buffers_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """A side-stream collective holds every buffer it touched until the compute stream waited for its event (the
     caching allocator may reuse a block only after that point)."""
-    from zero_strategy.core.transport.streams import StreamReady
+    from zero_strategy.core.comm.streams import StreamReady
 
     waited: list[object] = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=waited.append))
     buffer = torch.zeros(3)
     alive = weakref.ref(buffer)
-    ready = StreamReady("gathered", torch.device("cuda", 0), (buffer,), None)
+    result = torch.ones(2)
+    ready = StreamReady("gathered", torch.device("cuda", 0), (buffer,), None, result)
     del buffer
     gc.collect()
     assert alive() is not None and waited == []
-    ready.wait()
+    assert ready.wait() is result
     gc.collect()
     assert waited == ["gathered"] and alive() is None
 

@@ -179,6 +179,47 @@ def test_no_import_cycles_and_no_arrow_pointing_up():
             assert not {t for t in targets if t.startswith("zero_strategy.lightning")}, module
 
 
+TRANSPORTS = {
+    f"zero_strategy.core.comm.{name}"
+    for name in ("native", "point_to_point", "shared_memory", "shm_exchange", "host_segments", "watch", "watched",
+                 "in_process", "solo", "streams")
+}
+
+
+@pytest.mark.timeout(30)
+def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
+    """Everything outside core/comm calls the Comm it was handed: no module imports a transport (the simulated
+    one is the public test harness's, zero_strategy.testing), and only the comm plan reads ``collectives``."""
+    graph = _import_graph()
+    outside = {module: targets & TRANSPORTS for module, targets in graph.items()
+               if not module.startswith("zero_strategy.core.comm") and module != "zero_strategy.testing"}
+    allowed_streams = {"zero_strategy.core.flat.storage", "zero_strategy.core.flat.grads", "zero_strategy.core.step.unused",
+                       "zero_strategy.core.flat.flat_param"}  # CUDA copy helpers for offload, not a transport
+    named = {module: targets - ({"zero_strategy.core.comm.streams"} if module in allowed_streams else set())
+             for module, targets in outside.items()}
+    assert {module: targets for module, targets in named.items() if targets} == {}
+    readers = sorted(
+        _module_name(path) for path in PACKAGE.rglob("*.py")
+        if re.search(r"\.collectives\b", path.read_text()) and _module_name(path) != "zero_strategy.config"
+    )
+    assert readers == ["zero_strategy.core.comm.plan"], readers
+
+
+@pytest.mark.timeout(30)
+def test_core_files_and_classes_stay_small():
+    """No file in core/ over 350 lines and no class over 300 (a file or class past that holds two
+    responsibilities: split it by responsibility)."""
+    too_long = {}
+    for path in (PACKAGE / "core").rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 350:
+            too_long[str(path.relative_to(REPO))] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                too_long[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_long == {}
+
+
 @pytest.mark.timeout(30)
 def test_benchmarks_do_not_ship_with_the_package():
     from setuptools import find_packages

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,15 +40,19 @@ def collective_device(handle: ProcessGroup) -> torch.device:
 class Group:
     """Who is in a process group and where its collectives' tensors live."""
 
-    handle: ProcessGroup  # None: the default group (or no process group at all: one process)
+    handle: Any  # a process group; None: the default group (or none at all: one process); or a simulated group
     rank: int  # this rank's position in the group
     size: int
     members: tuple[int, ...]  # the global rank of each group rank
     device: torch.device  # see [Note: collectives run on the group's device]
 
     @classmethod
-    def of(cls, handle: ProcessGroup) -> Group:
-        """The group ``handle`` (None: the default group), or a group of this one process without torch.distributed."""
+    def of(cls, handle: Any) -> Group:
+        """The group ``handle`` (None: the default group), or a group of this one process without torch.distributed.
+        A simulated group (comm/in_process.py) describes itself."""
+        if handle is not None and not isinstance(handle, dist.ProcessGroup):
+            described: Group = handle.describe()
+            return described
         if not distributed():
             return cls(None, 0, 1, (0,), torch.device("cpu"))
         members = tuple(dist.get_process_group_ranks(handle or dist.group.WORLD))
@@ -60,6 +65,8 @@ class Group:
 
     @property
     def backend(self) -> str:
+        if self.handle is not None and not isinstance(self.handle, dist.ProcessGroup):
+            return "simulated"
         return str(dist.get_backend(self.handle)) if distributed() else "none"
 
     def global_rank(self, group_rank: int) -> int:

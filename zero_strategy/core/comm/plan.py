@@ -33,17 +33,23 @@ from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.host_segments import HostSegments, HostSharedFull, free_bytes
+from zero_strategy.core.comm.in_process import InProcessComm, InProcessGroup
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.native import NativeComm
 from zero_strategy.core.comm.point_to_point import PointToPointComm
 from zero_strategy.core.comm.shared_memory import SharedMemoryComm
-from zero_strategy.core.comm.shm_exchange import ARENA_CAP_BYTES, ARENAS, SharedExchange, spin_sync_is_sound
+from zero_strategy.core.comm.shm_exchange import ARENAS, SharedExchange, spin_sync_is_sound
 from zero_strategy.core.comm.solo import SoloComm
 from zero_strategy.core.comm.streams import CollectiveStreams, StreamedComm
 from zero_strategy.core.comm.watched import WatchedComm
 from zero_strategy.core.plan.flat_specs import FlatSpec
 from zero_strategy.core.plan.topology import RankLayout
 
+__all__ = ["ARENAS", "ARENA_CAP_BYTES", "CommPlan", "ReplicaComm", "network_comm", "watch_applies"]
+
+ARENA_CAP_BYTES = 256 * 2**20
+"""Largest FlatParam exchanged through shared memory (each rank holds ``ARENAS`` arenas of this size at most: they
+would cost that many copies of a larger one for the whole run)."""
 _ROOM_TO_SPARE = 5 / 4  # /dev/shm must hold what we put there with a quarter to spare
 _warned: set[str] = set()  # each fallback is said once per process
 
@@ -57,11 +63,13 @@ class ReplicaComm:
     index: int  # which shard group this rank belongs to (0: the one that writes checkpoints)
 
 
-def network_comm(handle: dist.ProcessGroup | None, collectives: str, log: CommunicationLog) -> Comm:
+def network_comm(handle: dist.ProcessGroup | InProcessGroup | None, collectives: str, log: CommunicationLog) -> Comm:
     """The network transport of one group (see [Note: the choices])."""
     group = Group.of(handle)
     if group.size == 1:
         return SoloComm(group, log)
+    if isinstance(handle, InProcessGroup):  # ranks simulated by threads (logic tests)
+        return InProcessComm(group, log)
     point_to_point = collectives == "point_to_point" or (collectives != "native" and group.backend == "gloo")
     return PointToPointComm(group, log) if point_to_point else NativeComm(group, log)
 
@@ -110,8 +118,7 @@ class CommPlan:
         room = self.device.type == "cpu" and available >= needed * _ROOM_TO_SPARE
         if not (self.one_node and _everyone(self.network, room) and HostSegments.same_host(self.network)):
             why = (f"it needs every rank of the shard group on one host computing on its CPU and "
-                   f"{needed * _ROOM_TO_SPARE / 2**20:.0f} MiB free in /dev/shm ({available / 2**20:.0f} MiB free "
-                   "here)")
+                   f"{_size(needed * _ROOM_TO_SPARE)} free in /dev/shm ({_size(available)} free here)")
             self._unavailable("gathers", why)
             return None
         segments = HostSegments(self.network)
@@ -133,14 +140,10 @@ class CommPlan:
         """After the parameters' buffers: the watch, the shared-memory exchanges (sized for ``trainable``'s
         reductions and gathers) and the streams of the shard group. Collective."""
         network = self.network
-        if self._watch_applies():
+        if watch_applies(self.config.zero_stage.reshards_parameters, self.host_shared, self.group):
             network = self._watched = WatchedComm(network)
         self.network = self._streamed(network)
         self._shared = self._shared_exchanges(trainable)
-
-    def _watch_applies(self) -> bool:
-        return (self.config.zero_stage.reshards_parameters and not self.host_shared and self.group.size > 1
-                and self.group.device.type == "cpu")
 
     def _streamed(self, comm: Comm) -> Comm:
         if self.streams is None or comm.size == 1:
@@ -165,8 +168,8 @@ class CommPlan:
         arena_bytes = max(fitting)
         needed = self.group.size * ARENAS * arena_bytes
         room = self.device.type == "cpu" and free_bytes() >= needed * _ROOM_TO_SPARE
-        reason = (f"/dev/shm has {free_bytes() / 2**20:.0f} MiB free; the reduction buffers need "
-                  f"{needed * _ROOM_TO_SPARE / 2**20:.0f} MiB")
+        reason = (f"/dev/shm has {_size(free_bytes())} free; the reduction buffers need "
+                  f"{_size(needed * _ROOM_TO_SPARE)}")
         if _everyone(self.network, room) and HostSegments.same_host(self.network):
             exchange = SharedExchange(self.network, arena_bytes, self.config.process_group_timeout_s, self.log)
             if exchange.connect():  # agreed by every rank
@@ -222,6 +225,21 @@ class CommPlan:
             comm.close()
         if self.replicas is not None:
             self.replicas.comm.close()
+
+
+def watch_applies(reshards: bool, host_shared: bool, group: Group) -> bool:
+    """Stage 3 gathering through the network on CPU ranks (see [Note: the choices]); never for simulated ranks
+    (the watch talks through the process group's store)."""
+    real = group.backend != "simulated"
+    return reshards and not host_shared and group.size > 1 and group.device.type == "cpu" and real
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
 
 
 def _everyone(comm: Comm, flag: bool) -> bool:

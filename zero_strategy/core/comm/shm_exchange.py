@@ -40,9 +40,9 @@ The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
 single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
 memory); the README's benchmark table has the figures.
 
-What stays point-to-point: a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would cost ``ARENAS`` copies of it
-per rank for the whole run), stage 3 when its gathers go through the network (the divergence watch of
-watch.py must see every wait), hybrid replicas' all-reduce, and every rank not on one host (comm/plan.py decides).
+What stays point-to-point (comm/plan.py decides): a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would
+cost ``ARENAS`` copies of it per rank for the whole run), stage 3 when its gathers go through the network (the
+divergence watch of watch.py must see every wait), hybrid replicas' all-reduce, and every rank not on one host.
 """
 
 from __future__ import annotations
@@ -64,8 +64,6 @@ from zero_strategy.core.comm.log import CommunicationLog
 ARENAS = 2
 """Arenas per rank: a rank can post up to ``ARENAS`` exchanges ahead of the slowest peer (more arenas, more slack,
 at one largest flattened gradient of ``/dev/shm`` each)."""
-ARENA_CAP_BYTES = 256 * 2**20
-"""Largest flattened gradient reduced through shared memory (each rank holds ``ARENAS`` arenas of this size at most)."""
 _COUNTER_STRIDE = 8  # int64s per counter: each rank's counter on a cache line of its own
 _SPINS = 200  # polls before the wait yields its core (a peer that is microseconds away)
 _YIELD_S = 0.002  # then yields for this long before it starts to nap

@@ -134,7 +134,7 @@ class GatherWatch:
                 outcome.append(error)
             # Drop the job (and what its closure holds, e.g. the tensor a collective filled) before the caller
             # wakes: otherwise it would stay alive in this thread until the next job arrives.
-            del job, outcome
+            del job, outcome, item
             done.set()
 
     # --------------------------------------------------------------------------------------- when stuck

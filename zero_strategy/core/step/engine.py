@@ -261,8 +261,8 @@ class ZeroEngine:
         (``full=False``) leave them on the meta device with this engine's slices as the weights. ``None``: the
         config's ``full_params_after_fit``, whose default keeps a model built sharded at stage 3 sharded (see
         [Note: releasing a model built sharded] in release.py). Returns whether the parameters are full."""
-        if self.state is EngineState.RELEASED:
-            raise RuntimeError("ZeRO: this engine was released already; build a new one to shard the module again")
+        if self.state is EngineState.RELEASED:  # idempotent: the module is already as the first release left it
+            return self._released_full
         if full is None:
             full = self.config.full_params_after_fit
         if full is None:
@@ -279,7 +279,7 @@ class ZeroEngine:
             else:
                 leave_sharded(flat)
         self._closer()  # the comms' threads and shared mappings end with the engine's hold on the module
-        self.state = EngineState.RELEASED
+        self.state, self._released_full = EngineState.RELEASED, full
         if self.placement is not None and self.placement.store is not None:
             # the files are unlinked; their mappings (a sharded release's slices, the optimizer state) stay valid
             self.placement.store.close()

@@ -40,7 +40,7 @@ def agree_on_used(flats: list[FlatParam], comm: Comm) -> None:
     if not seen:
         return
     bitmap = host_to_device(torch.tensor(seen, dtype=torch.uint8), comm.group.device, torch.uint8)
-    agreed_on_device = comm.all_reduce(bitmap, ReduceOp.MAX, "agreement on used parameters").wait()
+    agreed_on_device = comm.all_reduce(bitmap, ReduceOp.MAX, "the used-parameter agreement").wait()
     if all(seen):
         # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common
         # case (every parameter used here) costs no host synchronisation on a GPU.
