@@ -12,13 +12,13 @@ import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.comm import plan as comm_plan
 from zero_strategy.core.comm import shm_exchange
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.plan import network_comm
 from zero_strategy.core.comm.shared_memory import SharedMemoryComm
+from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not shm_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")

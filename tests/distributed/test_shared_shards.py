@@ -14,10 +14,10 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from helpers.storage import mapped_pages
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
 from zero_strategy.core.comm import host_segments
 from zero_strategy.core.comm import plan as comm_plan
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 

@@ -249,8 +249,8 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the side streams are no-ops: nothing of torch.cuda is touched by a stage-3 step, and the
     profiler's device timing is never switched on."""
     from zero_strategy.config import ZeroConfig
-    from zero_strategy.core.step.engine import ZeroEngine
     from zero_strategy.core.comm.streams import CollectiveStreams
+    from zero_strategy.core.step.engine import ZeroEngine
 
     def no_cuda(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("torch.cuda used on a CPU run")

@@ -157,9 +157,11 @@ def _publish(
     state_path = staging.version_dir / TRAINER_STATE_NAME
     flats, keys = _manifest_entries(engine)
     buffer_keys = {key for key, kind, _ in keys if kind == "buffer"}
+    # keep_vars: this runs on one rank, so it must not gather (a stage-3 state_dict() would: see
+    # [Note: parameters outside forward]); only the buffers are read
     buffers = {
         k: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # get_extra_state() may return plain data
-        for k, v in engine.module.state_dict().items()
+        for k, v in engine.module.state_dict(keep_vars=True).items()
         if k in buffer_keys
     }
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in engine.optimizers]

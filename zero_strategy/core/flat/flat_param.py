@@ -11,6 +11,8 @@ trip autograd's "modified by an inplace operation" check.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
+from zero_strategy.core.flat.access import mark_owner, unwrap, wrap
 from zero_strategy.core.flat.grads import GradientSlices
 from zero_strategy.core.flat.in_place_watch import GATHERED, HOST_WIDE, InPlaceWatch
 from zero_strategy.core.flat.master import MasterPieces
@@ -77,6 +80,8 @@ class FlatParam:
                 placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
                 torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
             param.data = view  # its own version counter (see [Note: views into one flat buffer])
+            if not keeps_full:  # see [Note: parameters outside forward] in access.py
+                mark_owner(param, span.name, self)
         self.in_place = InPlaceWatch(self.names, self.params)  # see [Note: in-place changes outside the optimizer]
 
     # ------------------------------------------------------------------------------ what others read
@@ -132,6 +137,7 @@ class FlatParam:
         full = self.storage.full
         if full.readable_in_place:  # the peers' slices are read where they lie
             self.state = ParamState.UNSHARDED
+            unwrap(self.params)
             return
         full.allocate()
         secondary = self.secondary
@@ -154,6 +160,7 @@ class FlatParam:
         self._gather.wait()
         self._gather = None
         self.state = ParamState.UNSHARDED
+        unwrap(self.params)
         if self._gather_fills_secondary and self.secondary is not None:
             self.secondary.keep_slice_of(self.storage.full.tensor)
         self._gather_fills_secondary = False
@@ -171,6 +178,7 @@ class FlatParam:
         self.in_place.check(HOST_WIDE if self.storage.full.readable_in_place else GATHERED)
         self.storage.full.free()
         self.state = ParamState.SHARDED
+        wrap(self.params)  # see [Note: parameters outside forward] in access.py
 
     def release_gathered(self) -> None:
         """Free the full values where this FlatParam does not keep them (stage 3); stages 1/2 always keep them."""
@@ -199,10 +207,22 @@ class FlatParam:
             self._land_gather()
         return self.storage.full.tensor
 
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The full values for the duration of the block, then the state before it (a collective at stage 3)."""
+        was_sharded = self.state is ParamState.SHARDED
+        self.unshard()
+        try:
+            yield
+        finally:
+            if was_sharded:
+                self.reshard()
+
     def settle(self) -> None:
-        """Let a gather in flight land (before the engine lets the module go)."""
+        """Let a gather in flight land, and give the parameters their own class (the engine lets the module go)."""
         if self.state is ParamState.GATHERING:
             self._land_gather()
+        unwrap(self.params)
 
     # ------------------------------------------------------------------------------------ initial values
     def write_initial_value(self, index: int, value: Tensor) -> None:

@@ -134,6 +134,11 @@ class RuntimeHooks:
                         module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True)
                     )
                     self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
+                if unit.is_root and unit.module is not self.entry_module:  # see [Note: every forward gathers]
+                    self._handles.append(unit.module.register_forward_pre_hook(
+                        partial(self._pre_inner_root_forward, unit), prepend=True))
+                    self._handles.append(unit.module.register_forward_hook(
+                        partial(self._post_inner_root_forward, unit)))
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
                     self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
@@ -218,6 +223,27 @@ class RuntimeHooks:
         last = self._order_recorded and self.forward_order and unit is self.forward_order[-1]
         if not ((unit.is_root or last) and torch.is_grad_enabled()):
             unit.reshard()
+
+    # [Note: every forward gathers]
+    # The root unit (the parameters outside any other unit) is gathered when the step's forward enters the entry
+    # module (Lightning's wrapper, around training_step) and stays whole until the end of backward. A step may call
+    # the module's own forward again after a backward (a closure: forward, backward, forward, backward; a GAN's
+    # generator and discriminator steps), when the root was released at the end of the first backward: the module's
+    # own forward gathers it again, and its outputs bring it back for their backward. It never releases the root
+    # itself (the entry's forward, still running, may use the root's parameters after it returns).
+    @_not_traced  # see [Note: torch.compile]
+    def _pre_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
+        unit.unshard()
+        if not in_backward():
+            unit.state = TrainingState.FORWARD
+
+    @_not_traced  # see [Note: torch.compile]
+    def _post_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward() or not torch.is_grad_enabled():
+            return
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, Tensor) and tensor.requires_grad:
+                tensor.register_hook(partial(self._pre_backward, unit))
 
     @staticmethod
     def _prefetch(order: list[ZeroUnit], unit: ZeroUnit, step: int) -> None:

@@ -42,6 +42,7 @@ from zero_strategy.core.step.build import build_parts
 from zero_strategy.core.step.fused_steps import install_fused_steps, remove_fused_steps
 from zero_strategy.core.step.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.step.release import gather_into_module, leave_sharded
+from zero_strategy.core.step.state_dict_hooks import StateDictGathers
 from zero_strategy.core.step.window import StepWindows
 
 
@@ -115,11 +116,14 @@ class ZeroEngine:
             bind_optimizer(optimizer, list(self.windows.flats_of(index)), partial(self.windows.on_zero_grad, index))
             install_fused_steps(optimizer, config.fused_optimizer)
         self.state = EngineState.SHARDING
+        self._released_full = False  # what the release left in the module (returned again by a second release)
         # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.comms.everyone)
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
                                   self._before_root_forward, order)
         self.hooks.install()
+        # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
+        self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
         for unit in self.units:
             unit.release_gathered()
 
@@ -268,6 +272,8 @@ class ZeroEngine:
         if full is None:
             full = not (self.built_sharded and self.stage.reshards_parameters)
         self.hooks.remove()
+        if self.state_dict_gathers is not None:
+            self.state_dict_gathers.remove()
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
             remove_fused_steps(optimizer)

@@ -1,0 +1,139 @@
+"""Reading a stage-3 parameter outside forward: gathered for the reads that need whole values, a clear error for the
+others, never freed memory.
+
+[Note: parameters outside forward]
+Between its unit's uses a stage-3 parameter keeps its object, shape and dtype, but its values are on other ranks:
+on the network path its storage holds no memory (reading it would read freed memory: garbage, or a crash), and on
+one host's CPU it reads a host-wide buffer in place. So that no read ever returns garbage, and every transport
+behaves alike, a parameter takes a subclass of its own class while its FlatParam is SHARDED (and its own class back
+when the FlatParam is gathered), whose ``__torch_function__`` lets through only what reads no values (shape, dtype,
+device, ``numel``, ``requires_grad``, ``grad``, hooks, the storage object) and decides every other access:
+
+- ``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``, Lightning's ``StochasticWeightAveraging``, EMA
+  callbacks copy the module): gathered for the copy, which holds the full values (a collective: every rank copies).
+- ``module.state_dict()``: gathered for the duration of the call and every value cloned (the engine's state-dict
+  hooks, step/state_dict_hooks.py; a collective: every rank calls it). ``keep_vars=True`` returns the parameters
+  themselves and gathers nothing.
+- any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``print`` of the values): a
+  :class:`ShardedParameterError` naming the parameter and the way to read it: ``with engine.gathered_parameters():``
+  (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every rank enters.
+Stages 1 and 2 keep every parameter whole: their parameters are never wrapped. The class swap costs a pointer
+write per parameter at each gather and release; inside forward and backward the parameters are their own class,
+so nothing is added to the hot path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# What reads no values of a parameter: properties (their getter's name) and methods.
+_METADATA_PROPERTIES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad", "_version", "is_leaf", "is_meta", "is_cuda", "is_cpu",
+    "layout", "ndim", "names", "is_sparse", "is_quantized", "is_nested", "grad_fn", "_backward_hooks",
+    "_post_accumulate_grad_hooks", "itemsize", "nbytes", "output_nr", "_cdata", "is_mkldnn", "is_xpu", "is_mps",
+})
+_METADATA_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
+_METADATA_METHODS = frozenset({
+    "numel", "nelement", "size", "dim", "element_size", "untyped_storage", "is_floating_point", "is_complex",
+    "stride", "storage_offset", "is_contiguous", "data_ptr", "get_device", "register_hook",
+    "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "_is_view", "is_shared", "is_pinned",
+    "__len__", "__format__", "__repr__", "__dir__", "__sizeof__", "__bool__",
+})
+
+
+class ShardedParameterError(RuntimeError):
+    """A stage-3 parameter was read (or written) outside forward, where its values are on other ranks."""
+
+
+def _describe(func: Callable[..., Any]) -> tuple[str, str]:
+    """(kind, name) of what ``__torch_function__`` was called for: a property getter/setter or a function."""
+    owner = getattr(func, "__self__", None)
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__") and owner is not None:
+        return name, getattr(owner, "__name__", "")
+    return "call", name
+
+
+def _is_metadata(func: Callable[..., Any]) -> bool:
+    kind, name = _describe(func)
+    if kind == "__get__":
+        return name in _METADATA_PROPERTIES
+    if kind == "__set__":
+        return name in _METADATA_SETTERS
+    return name in _METADATA_METHODS
+
+
+class _Sharded:
+    """Mixed in before a parameter's own class while its values are elsewhere (see [Note: parameters outside
+    forward]); the parameter carries ``_zero_name`` and ``_zero_owner`` (a weak reference to its FlatParam)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        sharded = next((a for a in args if isinstance(a, _Sharded)), None)
+        name = getattr(sharded, "_zero_name", "a parameter")
+        _, what = _describe(func)
+        raise ShardedParameterError(
+            f"ZeRO stage 3: {name} was used ({what}) outside forward, where its values are on other ranks. Read "
+            "it inside `with trainer.strategy.gathered_parameters():` (Lightning) or `with "
+            "engine.gathered_parameters():` (every rank must enter it: it gathers), or call module.state_dict(), "
+            "which gathers; stages 1 and 2 keep parameters whole. See [Note: parameters outside forward]."
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        owner = self._zero_owner()  # type: ignore[attr-defined]
+        if owner is None:
+            raise ShardedParameterError(f"{self._zero_name}: its engine is gone")  # type: ignore[attr-defined]
+        with owner.gathered():  # collective: every rank copies the module
+            assert not isinstance(self, _Sharded), "gathered parameters take their own class back"
+            copied = nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)  # type: ignore[attr-defined]
+        memo[id(self)] = copied
+        return copied
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, dtype = tuple(self.shape), self.dtype  # type: ignore[attr-defined]
+        return f"ShardedParameter({self._zero_name}, shape={shape}, dtype={dtype}: values on other ranks)"  # type: ignore[attr-defined]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ShardedParameterError(
+            f"{self._zero_name} cannot be pickled outside forward at stage 3 (its values are on other ranks): "  # type: ignore[attr-defined]
+            "save with trainer.save_checkpoint / save_sharded, or pickle inside engine.gathered_parameters()."
+        )
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(own: type) -> type:
+    """The subclass of ``own`` a parameter of class ``own`` takes while sharded (made once per class)."""
+    if own not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[own] = type(f"Sharded{own.__name__}", (_Sharded, own), {})
+    return _SHARDED_CLASSES[own]
+
+
+def mark_owner(param: Tensor, name: str, owner: object) -> None:
+    """Remember, on the parameter itself, its name and (weakly) the FlatParam that can gather it."""
+    param.__dict__["_zero_name"] = name
+    param.__dict__["_zero_owner"] = weakref.ref(owner)
+
+
+def wrap(params: list[nn.Parameter]) -> None:
+    """Their values are going elsewhere: reads outside forward are decided by the subclass (idempotent)."""
+    for param in params:
+        if not isinstance(param, _Sharded):
+            param.__class__ = _sharded_class(type(param))
+
+
+def unwrap(params: list[nn.Parameter]) -> None:
+    """Their values are here again: each parameter takes its own class back (idempotent)."""
+    for param in params:
+        if isinstance(param, _Sharded):
+            param.__class__ = type(param).__mro__[2]  # (Sharded<Own>, _Sharded, <Own>, ...)
