@@ -10,8 +10,11 @@ process holds one parameter (plus a bounded read chunk) at a time: the peak is n
 model. A parameter is filled from the shards in chunks of at most ``READ_CHUNK_BYTES`` into one preallocated
 fp32 tensor; reading it whole would hold the pieces *and* their concatenation when it spans several ranks' shards.
 The shards are read with ordinary file reads (no mmap), so the pages the kernel caches do not count against the
-process. ``.pt`` / ``.bin`` / ``.ckpt`` are dictionaries written by ``torch.save``: they hold the whole model in
-memory.
+process. One at a time means no reference to the previous tensor survives while the next is read: the generator
+yields without naming it (:func:`stream_values`) and the writer drops each tensor once written
+(``write_safetensors``); either one holding on doubles the peak. The Hugging Face export (hf_export.py) fills its
+files from the same stream. ``.pt`` / ``.bin`` / ``.ckpt`` are dictionaries written by ``torch.save``: they hold
+the whole model in memory.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ _LEFT_OUT_OF_CKPT = ("optimizer_states", "lr_schedulers", BUFFERS_KEY, PARAM_GRO
 
 
 @dataclass(frozen=True, slots=True)
-class _Entry:
+class StateDictEntry:
     """One key of the module's state_dict, in order."""
 
     key: str
@@ -86,14 +89,14 @@ def consolidate(
         _write_plain(state_dict, trainer_state, target)
         return target
     with ShardedCheckpoint(checkpoint) as ckpt:
-        entries = _entries(ckpt)
-        state = _TrainerState(ckpt, weights_only)
-        bar = _progress_bar(entries, progress)
+        entries = state_dict_entries(ckpt)
+        state = TrainerState(ckpt, weights_only)
+        bar = progress_bar(entries, progress)
         try:
             if suffix == SAFETENSORS_SUFFIX:
                 _write_safetensors(ckpt, entries, state, target, bar.update)
             else:
-                state_dict = dict(_values(ckpt, entries, state, bar.update, share_tied=True))
+                state_dict = dict(_values(ckpt, entries, state, bar.update))
                 content = _lightning_checkpoint(ckpt, state, state_dict) if suffix == LIGHTNING_SUFFIX else state_dict
                 _replace_atomically(target, lambda path: _torch_save_synced(content, path))
         finally:
@@ -102,21 +105,22 @@ def consolidate(
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _entries(ckpt: ShardedCheckpoint) -> list[_Entry]:
-    entries: list[_Entry] = []
+def state_dict_entries(ckpt: ShardedCheckpoint) -> list[StateDictEntry]:
+    """The module's state_dict keys in order, each with the checkpoint parameter behind it (tied keys share one)."""
+    entries: list[StateDictEntry] = []
     for key, kind, name in ckpt.manifest.state_dict_keys:
         if kind == "param":
             if name not in ckpt.params:
                 raise CheckpointError(
                     f"{ckpt.path}: state_dict key {key!r} is parameter {name!r}, which the manifest does not list"
                 )
-            entries.append(_Entry(key, name, list(ckpt.params[name][1].shape)))
+            entries.append(StateDictEntry(key, name, list(ckpt.params[name][1].shape)))
         else:
-            entries.append(_Entry(key, None, []))
+            entries.append(StateDictEntry(key, None, []))
     return entries
 
 
-class _TrainerState:
+class TrainerState:
     """The trainer state, loaded on first use (a checkpoint without buffers needs it only for ``.ckpt``)."""
 
     def __init__(self, ckpt: ShardedCheckpoint, weights_only: bool) -> None:
@@ -154,33 +158,46 @@ def read_param_fp32(ckpt: ShardedCheckpoint, name: str, on_bytes: Callable[[int]
 
 def _values(
     ckpt: ShardedCheckpoint,
-    entries: list[_Entry],
-    state: _TrainerState,
+    entries: list[StateDictEntry],
+    state: TrainerState,
     on_bytes: Callable[[int], object],
-    share_tied: bool,
 ) -> Iterator[tuple[str, Any]]:
-    """(key, value) in state_dict order. ``share_tied``: a tied parameter's later keys reuse the first tensor
-    (as the module's own state_dict does) instead of reading it again; this keeps every tied tensor alive, so the
-    streaming writer does not use it."""
+    """(key, value) in state_dict order for a dictionary built in memory: a tied parameter's later keys reuse the
+    first tensor (as the module's own state_dict does) instead of reading it again. This keeps every tied tensor
+    alive, so the streaming writers use :func:`stream_values` instead."""
     seen: dict[str, Tensor] = {}
     for entry in entries:
         if entry.param is None:
             yield entry.key, state.buffer(entry.key)
-        elif share_tied and entry.param in seen:
+        elif entry.param in seen:
             on_bytes(seen[entry.param].numel() * 4)
             yield entry.key, seen[entry.param]
         else:
             value = read_param_fp32(ckpt, entry.param, on_bytes)
-            if share_tied:
-                seen[entry.param] = value
+            seen[entry.param] = value
             yield entry.key, value
+
+
+def stream_values(
+    ckpt: ShardedCheckpoint,
+    entries: list[StateDictEntry],
+    state: TrainerState,
+    on_bytes: Callable[[int], object],
+) -> Iterator[Any]:
+    """The value of each entry in order, a tied parameter read again under each of its keys, and no reference kept
+    here to a value once it was handed out: with a consumer that drops each value before asking for the next, one
+    parameter is in memory at a time (see [Note: streaming consolidation])."""
+    for entry in entries:
+        # yielded without a local name: a variable of this frame would keep the previous parameter alive
+        # while the next one is read
+        yield state.buffer(entry.key) if entry.param is None else read_param_fp32(ckpt, entry.param, on_bytes)
 
 
 # ------------------------------------------------------------------------------------------------ writing
 def _write_safetensors(
     ckpt: ShardedCheckpoint,
-    entries: list[_Entry],
-    state: _TrainerState,
+    entries: list[StateDictEntry],
+    state: TrainerState,
     target: Path,
     on_bytes: Callable[[int], object],
 ) -> None:
@@ -197,7 +214,7 @@ def _write_safetensors(
                 f"consolidate to {' or '.join(STATE_DICT_SUFFIXES)} instead"
             )
         specs.append((entry.key, value.dtype, list(value.shape)))
-    tensors = (value for _, value in _values(ckpt, entries, state, on_bytes, share_tied=False))
+    tensors = stream_values(ckpt, entries, state, on_bytes)
     metadata = {"format": "pt", "zero_strategy_checkpoint_id": ckpt.manifest.checkpoint_id}
     _replace_atomically(target, lambda path: write_safetensors(path, specs, tensors, metadata))
 
@@ -224,7 +241,7 @@ def _write_plain(state_dict: dict[str, Any], trainer_state: dict[str, Any] | Non
     _replace_atomically(target, lambda path: _torch_save_synced(content, path))
 
 
-def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: _TrainerState, state_dict: dict[str, Any]) -> dict:
+def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: TrainerState, state_dict: dict[str, Any]) -> dict:
     """Lightning's trainer state (epoch, global_step, loops, hyper-parameters, ...) with the full state_dict."""
     content = {k: v for k, v in state.get().items() if k not in _LEFT_OUT_OF_CKPT}
     if "pytorch-lightning_version" not in content:  # a checkpoint written by the core API, not by a Trainer
@@ -264,10 +281,10 @@ def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -290,7 +307,7 @@ class _NoBar:
         pass
 
 
-def _progress_bar(entries: list[_Entry], progress: bool) -> Any:
+def progress_bar(entries: list[StateDictEntry], progress: bool) -> Any:
     """A tqdm bar over the parameters' fp32 bytes (see PROGRESS_MIN_BYTES), or a silent stand-in."""
     total = 0
     for entry in entries:

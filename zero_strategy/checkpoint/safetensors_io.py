@@ -63,10 +63,20 @@ def write_safetensors(
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
-        for (name, dtype, shape), tensor in zip(named_specs, tensors, strict=True):
+        # Pulled with next() and dropped after writing, not zipped: zip's reused result tuple (and a loop variable)
+        # would keep the previous tensor alive while the next one is produced, two tensors in memory instead of one
+        # (see [Note: streaming consolidation] in consolidate.py).
+        pending = iter(tensors)
+        for name, dtype, shape in named_specs:
+            tensor = next(pending, None)
+            if tensor is None:
+                raise ValueError(f"tensor {name}: the tensors ran out before the names did")
             if tensor.dtype != dtype or list(tensor.shape) != shape:
                 raise ValueError(f"tensor {name}: expected {dtype} {shape}, got {tensor.dtype} {list(tensor.shape)}")
             handle.write(_raw_bytes(tensor))
+            del tensor
+        if next(pending, None) is not None:
+            raise ValueError(f"more tensors than the {len(named_specs)} names")
         handle.flush()
         os.fsync(handle.fileno())
     return path.stat().st_size
