@@ -13,7 +13,7 @@ from torch import nn
 
 from zero_strategy.checkpoint.format import CheckpointError
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.rng import restore_rng
+from zero_strategy.checkpoint.rng import restore_rng, run_rank
 from zero_strategy.checkpoint.shard_content import scalar_value
 from zero_strategy.core.engine import ZeroEngine
 from zero_strategy.core.flat_param import FlatParam
@@ -160,11 +160,9 @@ def _piece_state(
 
 
 def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
-    """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise). A replica's rank
-    (hybrid sharding) keeps its own: the shard of its rank holds the first shard group's RNG."""
-    if engine.ctx.replicas is not None and engine.ctx.replicas.index > 0:
-        return False
-    saved = ckpt.rng_state(engine.ctx.rank)
+    """Restore the generator states that the rank at this rank's position in the saving run saved (False, and this
+    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in rng.py."""
+    saved = ckpt.rng_state(run_rank(engine.ctx))
     if saved is None:
         return False
     restore_rng(*saved)
