@@ -1,7 +1,8 @@
 """Checkpoints stay free of the hybrid layout: saved with replicas (4 ranks, shard groups of K = 2), only the first
 shard group writes, the manifest describes a world of 2 ranks, and the checkpoint resumes flat on 2 ranks or hybrid
 on 4 ranks; a flat 2-rank checkpoint resumes hybrid on 4. Each resumed run must continue as the uninterrupted run
-of the saving layout did (SGD with momentum: per-element optimizer state re-cut for the new layout)."""
+of the saving layout did (SGD with momentum: per-element optimizer state re-cut for the new layout). Every rank's
+RNG is saved, the replicas' too (they write no shards), so a hybrid run with dropout resumes bit-identical."""
 
 from __future__ import annotations
 
