@@ -417,63 +417,6 @@ def test_reading_ranges_of_a_64_mib_file_stays_far_below_its_size(tmp_path, suff
     del whole
 
 
-# ------------------------------------------------------------------------------- bytes each rank reads
-READ_WIDTH, READ_LAYERS = 1024, 4  # 16 MiB of fp32 weights; each Linear is one unit
-KiB = 1024
-
-
-def _wide_stack() -> nn.Module:
-    return nn.Sequential(*(nn.Linear(READ_WIDTH, READ_WIDTH) for _ in range(READ_LAYERS)))
-
-
-def _bytes_read_so_far() -> int:
-    """What this process has passed through read()/pread() calls so far, from the page cache or not: the kernel's
-    ``rchar`` (/proc/self/io), whoever made the calls. (gloo receives with recv, which it does not count.)"""
-    with open("/proc/self/io") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith("rchar:"))
-
-
-def pretrained_build_worker(rank: int, world: int, path: str) -> tuple[int, dict[str, Tensor]]:
-    """A meta-built model sharded at stage 3 with ``pretrained=path``, as ZeroStrategy does it; the bytes this
-    rank read meanwhile, and the loaded values."""
-    from zero_strategy.core.deferred import record_construction
-    from zero_strategy.lightning.sharded_init import initial_values
-
-    torch.manual_seed(0)
-    with record_construction() as recording:
-        model = _wide_stack()
-    config = ZeroConfig(stage=3, min_unit_numel=READ_WIDTH * READ_WIDTH, pretrained=path)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = _bytes_read_so_far()
-    with initial_values(model, recording, config, torch.device("cpu")) as values:
-        engine = ZeroEngine(model, [optimizer], config, initial_values=values)
-    read = _bytes_read_so_far() - before
-    with engine.gathered_parameters():
-        loaded = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    return read, loaded
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/io is Linux-only")
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
-def test_engine_build_with_pretrained_reads_its_share_of_the_file(tmp_path, world):
-    """Each rank of an engine build with ``pretrained=`` (a 16 MiB safetensors file) reads 1/N of the tensors'
-    bytes, plus the header (read when the file is opened and matched) and a few KiB of other small files — counted
-    by the kernel, not by the reader — and the model gets the file's values."""
-    torch.manual_seed(1)
-    weights = {key: value.detach().clone() for key, value in _wide_stack().state_dict().items()}
-    path = tmp_path / "w.safetensors"
-    save_file(weights, path)
-    data = sum(t.numel() * t.element_size() for t in weights.values())
-    header = path.stat().st_size - data  # the 8-byte length and the JSON header
-    for rank, (read, loaded) in enumerate(run_ranks(pretrained_build_worker, world, str(path), timeout_s=100)):
-        assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], v) for k, v in weights.items()), rank
-        share = data / world  # every unit (1024 x 1024 + 1024 elements) divides evenly by 2 and 4
-        assert share <= read <= share + 4 * header + 64 * KiB, (
-            f"rank {rank} of {world} read {read} bytes of a {data}-byte model: expected {share:.0f} + headers"
-        )
-
-
 # ------------------------------------------------------------------------------- Hugging Face
 def test_hugging_face_gpt2_sharded_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers")
