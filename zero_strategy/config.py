@@ -58,7 +58,19 @@ class ZeroConfig:
     measured faster than gloo's own collectives), native elsewhere (NCCL's collectives are already optimal)."""
 
     broadcast_buffers: bool = True
-    """Broadcast rank 0's floating-point buffers (BatchNorm statistics) before each training forward, as DDP does."""
+    """Before every training forward (module in training mode, gradients enabled) every rank copies rank 0's
+    buffers (BatchNorm running statistics; every buffer, whatever its dtype): each training forward starts from rank
+    0's statistics, then updates this rank's copy with this rank's batch; a checkpoint saves rank 0's. Evaluation
+    forwards never broadcast: each rank evaluates with the statistics it holds. (Whatever this option's value,
+    buffers are adopted from rank 0 once when the model is sharded, as DDP does when it wraps a model.)
+
+    DDP's option of the same name broadcasts before a forward only when the previous forward synchronised
+    gradients, so it differs in two places: with ``accumulate_grad_batches > 1`` DDP broadcasts before the first
+    micro-batch of each window only (the window's other micro-batches start from each rank's own statistics), and
+    it does broadcast before the first evaluation forward after a training step. Rank 0's statistics, the saved
+    ones, are DDP's either way; the other ranks' differ from DDP's with accumulation, and during evaluation.
+    Keeping every rank on rank 0's statistics is deliberate. False: no broadcast after the first, each rank keeps
+    its own statistics."""
 
     allow_untested_optimizer: bool = False
     """Accept an optimizer class that is not on the list of element-wise optimizers known to be exact on flat

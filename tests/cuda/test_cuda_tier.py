@@ -45,7 +45,8 @@ def test_checkpoint_saved_on_gpu_resumes_on_cpu_ranks_and_the_reverse(tmp_path: 
 @pytest.mark.timeout(600)
 def test_lightning_fit_and_resume_on_gpus(tmp_path: Path) -> None:
     """The adapter on GPUs: strategy (NCCL barrier), precision plugin (CUDA autocast, fp16 scaling), profiler (CUDA
-    event timing), sharded checkpoint IO and resume (the rank's own CUDA generator)."""
+    event timing), sharded checkpoint IO and resume (the rank's own CUDA generator); the resumed fit's updates are
+    held to an uninterrupted DDP fit's with the same precision flag."""
     gpus = min(2, torch.cuda.device_count())
     runs = [f"lightning:{stage}:{precision}:{tmp_path / str(stage)}" for stage, precision in
             ((1, "fp32"), (2, "fp16"), (3, "bf16"))]

@@ -17,13 +17,16 @@ sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not
 from benchmarks import gpu_check
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_worker_scenarios_run_on_cpu_ranks(tmp_path: Path) -> None:
     """One launch of two gloo ranks (a launch costs seconds of imports): parity in each precision, with CPU and nvme
-    offload, the sync-free steps (no debug mode on a CPU), a save and its resume at another stage."""
+    offload, the sync-free steps (no debug mode on a CPU), a save and its resume at another stage, and the Lightning
+    scenario in the GPU tier's three combinations against DDP (each update held to the reference's)."""
     scenarios = ["parity:1:fp32", "parity:3:bf16:cpu", "parity:2:fp16:nvme", "sync:3:bf16",
                  f"save:3:{tmp_path}", f"resume:1:{tmp_path}"]
-    torchrun(2, "cpu", scenarios, timeout_s=100)
+    scenarios += [f"lightning:{stage}:{precision}:{tmp_path / str(stage)}"
+                  for stage, precision in ((1, "fp32"), (2, "fp16"), (3, "bf16"))]
+    torchrun(2, "cpu", scenarios, timeout_s=160)
 
 
 def test_gpu_check_report_pipeline_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,8 @@ Scenarios (comma-separated ``--scenarios``):
 - ``parity:<stage>:<precision>[:<offload>]``: ZeRO against an independent single-process computation of the same
   maths on the same device (every rank's micro-batches, fp32 masters, a low-precision compute copy under
   autocast, gradients averaged in fp32); precision fp32 | bf16 | fp16 (a static loss scale of 2**8, unscaled and
-  checked for overflow by ZeroPrecision); offload none | cpu | nvme.
+  checked for overflow by ZeroPrecision); offload none | cpu | nvme. Each parameter's update ``w - w0`` is held to
+  the reference's, relative to the size of that update (see [Note: compare updates, not weights]).
 - ``sync:<stage>:<precision>``: steady-state steps (clipping included) under
   ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises (CUDA only; on the CPU the steps run
   without the mode).
@@ -16,8 +17,21 @@ Scenarios (comma-separated ``--scenarios``):
   more and record the result; another launch (any device, any world size) loads it, checks the step counters are
   on the CPU, restores this rank's RNG, trains the same 2 steps and must reach the same weights.
 - ``lightning:<stage>:<precision>:<dir>``: the Lightning adapter on this device: a ``Trainer`` fit with clipping and
-  the communication profiler, a sharded checkpoint, a resumed fit from it (strategy barrier, precision plugin,
-  checkpoint IO, RNG restore).
+  the communication profiler saving a sharded checkpoint (``ModelCheckpoint`` at an epoch end), a resumed fit from
+  it (strategy barrier, precision plugin, checkpoint IO, RNG restore), whose weights' updates must match an
+  uninterrupted ``ddp`` fit's with the same precision flag (fp32 reference for fp16 on a CPU, where Lightning
+  has no fp16 autocast).
+
+[Note: compare updates, not weights]
+A few steps move a weight by a small fraction of its size (the embedding and LayerNorm weights here by 0.1-0.4 %
+of their largest value), so a tolerance relative to the weights would let a parameter that never moved pass.
+Every comparison here holds ``w - w0`` to the reference's ``r - w0``, relative to the largest element of the
+reference's update: a missing update scores 1, a doubled one 1. The tolerance is then the rounding each precision
+adds to an update, with room for the device's kernels: fp32 (the same maths, summed in another order) 1e-3; bf16
+and fp16 5e-2 (against the single-process reference the compute copies round alike until the masters differ in a
+last bit; against DDP's autocast, which keeps fp32 weights and embedding outputs, activations round differently).
+Measured on 2 CPU ranks (tests/cuda/test_worker_on_cpu.py): parity fp32 1.5e-5, bf16 and fp16 0 (bit-identical);
+Lightning against DDP fp32 4.5e-6, bf16 7.7e-3, fp16 (against fp32 on a CPU) 1.2e-3. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -44,9 +58,8 @@ STEPS, ACCUM, PER_RANK, VOCAB, WIDTH = 3, 2, 4, 32, 64
 PRECISIONS = {"fp32": ("32-true", torch.float32), "bf16": ("bf16-mixed", torch.bfloat16),
               "fp16": ("16-mixed", torch.float16)}
 FP16_SCALE = 2.0**8
-# fp32: the same kernels on the same device, summed in another order; low precision: the same, plus the engine's
-# compute copy rounding exactly as the reference's (so a loose bound still catches a wrong scale or a lost step)
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+# Largest update error relative to the reference's largest update: see [Note: compare updates, not weights].
+TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
 
 
 class Net(nn.Module):
@@ -104,6 +117,26 @@ def reference(world: int, dtype: torch.dtype, device: torch.device) -> dict[str,
     return {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
+def initial_state() -> dict[str, Tensor]:
+    """Net's weights before training (every run and the references start from seed 0)."""
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in Net().state_dict().items()}
+
+
+def assert_updates_match(got: dict[str, Tensor], expected: dict[str, Tensor], initial: dict[str, Tensor],
+                         tolerance: float, what: str) -> None:  # fmt: skip
+    """Every parameter's update ``got - initial`` equals ``expected - initial`` within ``tolerance`` of the largest
+    element of the expected update (see [Note: compare updates, not weights])."""
+    for key, start in initial.items():
+        start = start.float().cpu()
+        reference = expected[key].float().cpu() - start
+        update = got[key].float().cpu() - start
+        size = float(reference.abs().max())
+        assert size > 0, f"{what}: the reference did not move {key}: nothing to compare"
+        error = float((update - reference).abs().max()) / size
+        assert error < tolerance, f"{what}: {key}'s update is {error:.2e} off the reference's (limit {tolerance})"
+
+
 def offload_config(offload: str, nvme_dir: str) -> dict[str, object]:
     if offload == "none":
         return {}
@@ -133,10 +166,8 @@ def parity(stage: int, precision: str, offload: str, device: torch.device) -> No
 
             plugin.optimizer_step(opt, model=model, closure=closure)
         engine.release()  # the module gets the fp32 masters back
-    for key, value in expected.items():
-        got = model.state_dict()[key]
-        error = float((got.float() - value).abs().max() / value.abs().max().clamp_min(1e-3))
-        assert error < TOLERANCE[precision], f"{key}: relative error {error:.2e} (stage {stage}, {precision})"
+    assert_updates_match(model.state_dict(), expected, initial_state(), TOLERANCE[precision],
+                         f"stage {stage}, {precision}, offload {offload}")  # fmt: skip
 
 
 def sync_free_steps(stage: int, precision: str, device: torch.device) -> None:
@@ -222,14 +253,14 @@ def resume(stage: int, folder: str, device: torch.device) -> None:
     _train(model, opt, engine, batches(4, torch.device("cpu"), steps=4, seed=5)[2:])
     got = _full_state(model, engine)
     expected = torch.load(Path(folder) / "expected.pt", weights_only=True)
-    for key, value in expected.items():
-        error = float((got[key] - value).abs().max() / value.abs().max().clamp_min(1e-3))
-        assert error < 1e-3, f"{key}: resumed run differs by {error:.2e}"
+    assert_updates_match(got, expected, initial_state(), 1e-3, f"stage {stage}, resumed vs uninterrupted")
 
 
 def lightning_fit(stage: int, precision: str, folder: str, device: torch.device) -> None:
-    """A Trainer on this device (torchrun's environment: Lightning does not launch), then a resumed one."""
+    """A Trainer on this device (torchrun's environment: Lightning does not launch) saving at its first epoch's end,
+    a resumed one, and an uninterrupted DDP fit as the reference (see the module docstring)."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from zero_strategy.lightning.profiler import CommunicationProfiler
 
@@ -237,37 +268,47 @@ def lightning_fit(stage: int, precision: str, folder: str, device: torch.device)
         def __init__(self) -> None:
             super().__init__()
             self.net = Net()
+            self.start_step = -1
+
+        def on_train_start(self) -> None:
+            self.start_step = self.trainer.global_step  # 2 when resumed: the fit continues, it does not restart
 
         def training_step(self, batch: Tensor, index: int) -> Tensor:
             logits = self.net(batch[:, :-1]).float()
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-            self.log("loss", loss)
-            return loss
+            return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            # SGD: its update is proportional to the gradient, so a gradient error shows in the update (Adam's
+            # first steps are near lr * sign(gradient) whatever the gradient's size)
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    samples = list(batches(4, torch.device("cpu"), steps=2).reshape(-1, 9))
+    world = dist.get_world_size()
+    samples = list(batches(world, torch.device("cpu"), steps=1).reshape(-1, 9))  # 2 batches of 4 per rank: an epoch
     data: torch.utils.data.DataLoader[Tensor] = torch.utils.data.DataLoader(samples, batch_size=4)  # type: ignore[arg-type]
 
-    def fit(steps: int, ckpt: str | None) -> pl.Trainer:
+    def fit(strategy: str, flag: str, steps: int, ckpt: str | None, callbacks: list[Callback]) -> Lit:
         torch.manual_seed(0)
+        model = Lit()
         trainer = pl.Trainer(
-            accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
-            strategy=f"zero{stage}", precision=PRECISIONS[precision][0],  # type: ignore[arg-type]
-            max_steps=steps, gradient_clip_val=1.0,
-            callbacks=[CommunicationProfiler()], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
-        )
-        trainer.fit(Lit(), data, ckpt_path=ckpt)
-        return trainer
+            accelerator="gpu" if device.type == "cuda" else "cpu", devices=world, strategy=strategy,
+            precision=flag, max_steps=steps, gradient_clip_val=1.0, callbacks=callbacks, logger=False,  # type: ignore[arg-type]
+            enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=folder,
+        )  # fmt: skip
+        trainer.fit(model, data, ckpt_path=ckpt)
+        assert trainer.global_step == steps, (strategy, trainer.global_step)
+        return model
 
-    first = fit(2, None)
-    path = str(Path(folder) / "lit.ckpt")
-    first.save_checkpoint(path)
-    resumed = fit(4, path)
-    assert resumed.global_step == 4, resumed.global_step
-    assert torch.isfinite(resumed.callback_metrics["loss"]), resumed.callback_metrics
+    flag = PRECISIONS[precision][0]
+    every_epoch = ModelCheckpoint(dirpath=Path(folder) / "ckpts", filename="step={step}", auto_insert_metric_name=False,
+                                  every_n_train_steps=2, save_top_k=-1)  # fmt: skip
+    fit(f"zero{stage}", flag, 2, None, [CommunicationProfiler(), every_epoch])
+    resumed = fit(f"zero{stage}", flag, 4, str(Path(folder) / "ckpts" / "step=2.ckpt"), [CommunicationProfiler()])
+    assert resumed.start_step == 2, f"the resumed fit started at step {resumed.start_step}"
+    reference_flag = "32-true" if precision == "fp16" and device.type == "cpu" else flag  # no fp16 autocast on CPU
+    reference = fit("ddp", reference_flag, 4, None, [])
+    assert_updates_match(resumed.net.state_dict(), reference.net.state_dict(), initial_state(),
+                         TOLERANCE[precision], f"Lightning zero{stage} {precision} (resumed) vs DDP")  # fmt: skip
 
 
 def scenario(spec: str, device: torch.device) -> Callable[[], None]:

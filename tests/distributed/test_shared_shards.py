@@ -140,12 +140,24 @@ def in_place_worker(rank, world_size):
     master_is_slice = flat.shard.data_ptr() == own.data_ptr()
     released = (mapped_pages(own), mapped_pages(peers(flat)))
     with engine.gathered_parameters():
-        total = sum(float(p.sum()) for p in flat.params)  # reads every rank's slice in place
+        values = {name: p.detach().clone() for name, p in zip(flat.names, flat.params, strict=True)}  # in place
         in_use = mapped_pages(peers(flat))
     report = memory_report(engine)
     engine.release()
     return {"same_storage": same_storage, "master_is_slice": master_is_slice, "released": released,
-            "in_use": in_use, "total": total, "report": report, "held": held}
+            "in_use": in_use, "values": values, "report": report, "held": held}
+
+
+def _single_process_training() -> dict[str, torch.Tensor]:
+    """The reference for in_place_worker: the same model, AdamW and data, on the whole batch in one process (each
+    rank's loss is the mean over an equal slice, so ZeRO's averaged gradient is the whole batch's)."""
+    model = make_model(n_blocks=3, width=128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for (tokens,) in make_batches(2, 1, 8):
+        optimizer.zero_grad()
+        lm_loss(model, tokens).backward()
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.named_parameters()}
 
 
 @pytest.mark.timeout(60)
@@ -165,7 +177,14 @@ def test_parameters_are_read_in_place_and_peers_pages_leave_after_use():
                 assert pages[i] > 1 and all(n <= 1 for n in pages[:i]), f"rank {rank}, {phase} {i}: {pages}"
             else:  # the block and those after it finished their backward and let their peers' pages go
                 assert all(n <= 1 for n in pages[i:]), f"rank {rank}, {phase} {i}: {pages}"
-    assert results[0]["total"] == results[1]["total"]
+    # what every rank read in place is the trained model: the values a single process computes
+    reference = _single_process_training()
+    for rank, result in enumerate(results):
+        assert sorted(result["values"]) == sorted(n for n in reference if n.startswith("blocks.1.")), rank
+        for name, value in result["values"].items():
+            expected = reference[name]
+            error = ((value - expected).abs().max() / expected.abs().max()).item()
+            assert error <= 1e-5, f"rank {rank}: {name} is {error:.1e} off the single-process run"
     assert results[0]["report"] == results[1]["report"]
 
 

@@ -160,11 +160,9 @@ def _piece_state(
 
 
 def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
-    """Restore this rank's RNG if the checkpoint has a shard of the same rank (False otherwise). A replica's rank
-    (hybrid sharding) keeps its own: the shard of its rank holds the first shard group's RNG."""
-    if engine.ctx.replica_index > 0:
-        return False
-    saved = ckpt.rng_state(engine.ctx.rank)
+    """Restore the generator states that the rank at this rank's position in the saving run saved (False, and this
+    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in rng.py."""
+    saved = ckpt.rng_state(engine.comms.everyone.rank)  # its position among every rank of the run
     if saved is None:
         return False
     restore_rng(*saved)

@@ -23,6 +23,7 @@ from zero_strategy.checkpoint.format import (
     ParamEntry,
     shard_file_name,
 )
+from zero_strategy.checkpoint.rng import REPLICAS_METADATA_KEY, is_own_entry, replica_prefix
 from zero_strategy.checkpoint.safetensors_io import SafetensorsReader
 
 
@@ -136,10 +137,20 @@ class ShardedCheckpoint:
         return {}
 
     def rng_state(self, rank: int) -> tuple[dict[str, Tensor], str] | None:
+        """The generator states saved by rank ``rank`` of the saving run (its position among every rank, the
+        replicas of hybrid sharding included), or None when that run had no such rank; see [Note: every rank's
+        RNG is saved] in rng.py."""
+        for shard in range(self.manifest.world_size):  # a replica's states travel in a first-group shard
+            reader = self.reader(shard)
+            carried = json.loads(reader.metadata.get(REPLICAS_METADATA_KEY, "{}"))
+            if str(rank) in carried:
+                prefix = replica_prefix(rank)
+                names = [name for name in reader.entries if name.startswith(prefix)]
+                return {"rng/" + name.removeprefix(prefix): reader.read(name) for name in names}, carried[str(rank)]
         if rank >= self.manifest.world_size:
             return None
         reader = self.reader(rank)
-        tensors = {name: reader.read(name) for name in reader.entries if name.startswith("rng/")}
+        tensors = {name: reader.read(name) for name in reader.entries if is_own_entry(name)}
         return tensors, reader.metadata.get("rng", "{}")
 
     def trainer_state(self, weights_only: bool | None = True) -> dict[str, Any]:

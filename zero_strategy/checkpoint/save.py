@@ -9,6 +9,8 @@ checkpoint is intact.
 With hybrid sharding (replicas of each shard group) every rank of the run takes part in these steps, but only the
 first shard group writes shards: the others hold the same slices. The manifest then describes a world of K ranks,
 and since loading reads by parameter name and element range, any layout (flat or hybrid, any world) can read it.
+The replicas' generator states, which differ from the writers', travel to the first group's shard files (see
+[Note: every rank's RNG is saved] in rng.py).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from zero_strategy.checkpoint.format import (
     ParamEntry,
     shard_file_name,
 )
-from zero_strategy.checkpoint.rng import capture_rng
+from zero_strategy.checkpoint.rng import REPLICAS_METADATA_KEY, capture_rng, pack_replicas
 from zero_strategy.checkpoint.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.shard_content import collect_shard, encode_metadata
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
+
+RngState = tuple[dict[str, torch.Tensor], str]  # capture_rng's (tensors, plain json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,18 @@ def _manifest_entries(engine: ZeroEngine) -> tuple[list[FlatEntry], list[list[st
     return flats, keys
 
 
+def _replicas_rng(engine: ZeroEngine, own: RngState) -> list[tuple[int, dict[str, torch.Tensor], str]]:
+    """Collective over this rank's replica group (hybrid sharding; nothing to do otherwise): the generator states
+    of the replicas whose shard file this rank writes, as ``(run rank, tensors, plain json)``; empty on a rank of
+    another shard group, which writes nothing."""
+    replicas = engine.comms.replicas
+    if replicas is None or replicas.count == 1:
+        return []
+    mine = engine.comms.everyone.rank  # this rank's position among every rank of the run
+    states = replicas.comm.all_gather_object((mine, *own), "generator states")
+    return [state for state in states if state[0] != mine] if replicas.index == 0 else []
+
+
 def save_sharded(
     engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
 ) -> None:
@@ -115,14 +131,18 @@ def save_sharded(
         raise CheckpointError(str(planned))
     staging = planned
     with_optimizer = "optimizer_states" in trainer_state
+    rng_tensors, rng_json = capture_rng()
+    replica_tensors, replica_json = pack_replicas(_replicas_rng(engine, (rng_tensors, rng_json)))
     report: tuple[bool, Any] = (True, None)
     try:
         if not writes:
             raise _NothingToWrite
         specs, tensors, scalars = collect_shard(engine, with_optimizer)
-        rng_tensors, rng_json = capture_rng()
+        rng_tensors = {**rng_tensors, **replica_tensors}
         specs += [(name, t.dtype, list(t.shape)) for name, t in rng_tensors.items()]
         metadata = encode_metadata(staging.checkpoint_id, ctx.rank, ctx.world_size, scalars, rng_json)
+        if replica_tensors:  # a flat run's shard files stay as they were
+            metadata[REPLICAS_METADATA_KEY] = replica_json
         all_tensors = itertools.chain(tensors, rng_tensors.values())
         size = write_safetensors(staging.version_dir / shard_file_name(ctx.rank), specs, all_tensors, metadata)
         report = (True, size)
