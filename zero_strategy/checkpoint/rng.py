@@ -3,8 +3,8 @@
 [Note: every rank's RNG is saved]
 A rank's generator states are saved under its position in the run: its rank among every rank of the engine,
 the replicas of hybrid sharding included (the engine's ``comms.everyone.rank``). Flat ZeRO: rank r's shard file
-holds rank r's states (``rng/torch_cpu``, ``rng/cuda``, and Python's and numpy's as JSON in the metadata under ``rng``). Hybrid
-sharding: only the first shard group writes shard files (the replicas hold the same slices), so before writing,
+holds rank r's states (``rng/torch_cpu``, ``rng/cuda``, and Python's and numpy's as JSON in the metadata under
+``rng``). Hybrid sharding: only the first shard group writes shard files (the replicas hold the same slices), so before writing,
 each replica group gathers its ranks' states to its member in the first group, which stores them beside its own:
 tensors ``rng/rank-<g>/torch_cpu`` (...) and a JSON map ``{g: plain}`` under ``rng_replicas``. The manifest does
 not change. On resume rank g restores what rank g of the saving run saved: with the same layout (world size and
