@@ -1,17 +1,17 @@
 """Each rank's random-number-generator state, as tensors and plain data (no pickle needed to load it).
 
 [Note: every rank's RNG is saved]
-A rank's generator states are saved under its position in the run: its rank among every rank of the engine,
-the replicas of hybrid sharding included (the engine's ``comms.everyone.rank``). Flat ZeRO: rank r's shard file
-holds rank r's states (``rng/torch_cpu``, ``rng/cuda``, and Python's and numpy's as JSON in the metadata under
-``rng``). Hybrid sharding: only the first shard group writes shard files (the replicas hold the same slices), so before writing,
-each replica group gathers its ranks' states to its member in the first group, which stores them beside its own:
-tensors ``rng/rank-<g>/torch_cpu`` (...) and a JSON map ``{g: plain}`` under ``rng_replicas``. The manifest does
-not change. On resume rank g restores what rank g of the saving run saved: with the same layout (world size and
+A rank's generator states are saved under its position in the run: its rank among every rank of the engine, the
+replicas of hybrid sharding included (the engine's ``comms.everyone.rank``). Flat ZeRO: rank r's shard file holds
+rank r's states (``rng/torch_cpu``, ``rng/cuda``, and Python's and numpy's as JSON in the metadata under ``rng``).
+Hybrid sharding: only the first shard group writes shard files (the replicas hold the same slices), so before
+writing, each replica group gathers its ranks' states to its member in the first group, which stores them beside its
+own: tensors ``rng/rank-<g>/torch_cpu`` (...) and a JSON map ``{g: plain}`` under ``rng_replicas``. The manifest
+does not change. On resume rank g restores what rank g of the saving run saved: with the same layout (world size and
 ``shard_group_size``) every rank continues exactly where it was; on another layout rank g still restores rank g's
 states if the saving run had a rank g, and a rank beyond the saving run's world keeps its own generators (the data
-each rank sees differ then anyway). Checkpoints written before replicas' states were saved have none: their
-replicas keep their own generators. Readers of that time ignore the extra entries and restore the writers' own.
+each rank sees differ then anyway). Checkpoints written before replicas' states were saved have none: their replicas
+keep their own generators. Readers of that time ignore the extra entries and restore the writers' own.
 
 [Note: one CUDA generator per rank]
 A rank computes on one GPU, its current device, so it saves and restores that device's generator only. Saving every
