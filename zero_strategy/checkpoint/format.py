@@ -29,6 +29,8 @@ TRAINER_STATE_NAME = "trainer_state.pt"
 # state) and the optimizers' param-group hyper-parameters (schedulers move the learning rate).
 BUFFERS_KEY = "zero_module_buffers"
 PARAM_GROUPS_KEY = "zero_optimizer_param_groups"
+NO_OPTIMIZER_STATE_KEY = "optimizer_state_absent"
+"""Manifest ``extra`` key: why a checkpoint holds no optimizer state (shown when a resume asks for it)."""
 
 
 class CheckpointError(RuntimeError):

@@ -16,12 +16,16 @@ import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.format import BUFFERS_KEY, NO_OPTIMIZER_STATE_KEY, PARAM_GROUPS_KEY
 from zero_strategy.checkpoint.load import check_compatible
+from zero_strategy.checkpoint.module_snapshot import ModuleSnapshot
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.version import library_version
 
@@ -35,6 +39,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.opened: ShardedCheckpoint | None = None
         self.param_groups: list[list[dict]] = []
         self.buffers: dict[str, Any] = {}
+        # what the spawn launcher loaded into the main process's module after fit: key -> whether it held values
+        self.handed_back: dict[str, bool] | None = None
 
     def attach(self, engine: ZeroEngine | None, precision: str) -> None:
         self._engine = engine
@@ -59,13 +65,41 @@ class ShardedCheckpointIO(CheckpointIO):
             return
         self.save_sharded(self.engine, checkpoint, path)
 
-    def save_sharded(self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH) -> None:
-        """Write ``checkpoint`` (Lightning's dict) as a sharded directory from ``engine``'s shards. Collective."""
+    def save_sharded(
+        self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH, with_optimizer: bool = True
+    ) -> None:
+        """Write ``checkpoint`` (Lightning's dict) as a sharded directory from ``engine``'s shards. Collective.
+        ``with_optimizer=False``: the engine does not hold the Trainer's optimizer state (a save after a
+        validate/test without a fit in this process); the manifest says so."""
         # The module's parameters and the optimizer states live in the shards; keep Lightning's remaining state.
         trainer_state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        extra: dict[str, Any] = {}
         if "optimizer_states" in trainer_state:
-            trainer_state["optimizer_states"] = [{} for _ in trainer_state["optimizer_states"]]
-        save_sharded(engine, path, trainer_state, self.save_info())
+            if with_optimizer:
+                trainer_state["optimizer_states"] = [{} for _ in trainer_state["optimizer_states"]]
+            else:
+                del trainer_state["optimizer_states"]
+                extra[NO_OPTIMIZER_STATE_KEY] = "saved after a run without a fit in this process (validate, test or " \
+                    "predict), where it holds no optimizer state"
+        save_sharded(engine, path, trainer_state, self.save_info(extra))
+
+    def save_from_module(
+        self, module: nn.Module, config: ZeroConfig, checkpoint: dict[str, Any], path: _PATH, spawned_fit: bool
+    ) -> None:
+        """A checkpoint of one rank from the module's own weights, no optimizer state (see [Note: saving after fit]
+        in sharded_model.py). One writer: the caller makes sure only one rank calls it."""
+        why = ("saved after a spawn-launched fit: the optimizer state lived in the worker processes" if spawned_fit
+               else "saved outside fit, where this process holds no optimizer state")
+        if "optimizer_states" in checkpoint:
+            rank_zero_warn(
+                f"{path}: {why}. The checkpoint holds the weights only: zero-to-fp32 / consolidate work, resuming a "
+                "fit from it does not. To keep the optimizer state, save during fit (ModelCheckpoint) or call "
+                f"trainer.save_checkpoint after a fit with the plain name (e.g. 'zero{config.stage}', which runs "
+                "fit in this process)."
+            )
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        snapshot = ModuleSnapshot(module, config)
+        save_sharded(snapshot, path, state, self.save_info({NO_OPTIMIZER_STATE_KEY: why}))  # type: ignore[arg-type]
 
     def save_info(self, extra: dict[str, Any] | None = None) -> SaveInfo:
         versions = {
@@ -81,7 +115,10 @@ class ShardedCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Validate the checkpoint against the sharded model and return Lightning's state (no model change)."""
         if self._engine is None and Path(path).is_file():  # the spawn launcher's plain hand-over (see above)
-            return dict(torch.load(path, map_location=map_location or "cpu", weights_only=True))
+            state = dict(torch.load(path, map_location=map_location or "cpu", weights_only=True))
+            # a parameter the worker left sharded arrives on the meta device: nothing to load from it
+            self.handed_back = {k: not (isinstance(v, torch.Tensor) and v.is_meta) for k, v in state.items()}
+            return {k: v for k, v in state.items() if self.handed_back[k]}
         self.close()
         opened = ShardedCheckpoint(path)
         try:

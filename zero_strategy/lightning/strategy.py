@@ -37,8 +37,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from zero_strategy.checkpoint.format import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
-from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.control import barrier
 from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
@@ -60,7 +60,6 @@ from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.private_tensors import SHARING_START_METHODS, make_module_tensors_private
 from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.lightning.rank_exit import report_rank_finished
-from zero_strategy.lightning.save_without_engine import save_without_engine
 from zero_strategy.lightning.sharded_init import (
     ConstructionRecorder,
     initial_values,
@@ -68,6 +67,7 @@ from zero_strategy.lightning.sharded_init import (
     take_back_released,
     warn_parameters_stay_sharded,
 )
+from zero_strategy.lightning.sharded_model import ModelState, ShardedModel
 from zero_strategy.names import STRATEGY_NAMES
 
 
@@ -122,13 +122,9 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        self._engine: ZeroEngine | None = None
+        self._sharded = ShardedModel()  # the engine across runs (see [Note: saving after fit])
         self._recorder = ConstructionRecorder()
         self._pretrained_loaded = False
-        # the last fit's released engine: its master slices and optimizer state serve a save after fit
-        self._fit_engine: ZeroEngine | None = None
-        # the last engine released with the parameters left sharded: its slices are the weights (core/release.py)
-        self._weights_engine: ZeroEngine | None = None
         self._layout: RankLayout | None = None  # nodes, shard and replica groups (see _rank_layout)
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
 
@@ -246,7 +242,6 @@ class ZeroStrategy(ParallelStrategy):
             callbacks.append(CommunicationProfiler())
         if trainer.state.fn == TrainerFn.FITTING:
             install_preemption_saver(trainer)  # see [Note: preemption saves at a step boundary]
-            self._fit_engine = None  # a new fit: the previous fit's optimizers are replaced
             self.setup_optimizers(trainer)
         self._shard_model()
         self.setup_precision_plugin()
@@ -254,9 +249,8 @@ class ZeroStrategy(ParallelStrategy):
     def _shard_model(self) -> None:
         module = self.lightning_module
         assert module is not None
-        if self._engine is not None:  # fit() then test() on one Trainer: start from a plain module again
-            if not self._engine.release():
-                self._weights_engine = self._engine
+        if self._sharded.state is ModelState.SHARDED:  # a run that did not tear down: start from a plain module again
+            self._sharded.end()
         if self._checkpoint_policy is not None:
             apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
         entry = ForwardEntry(module)
@@ -267,14 +261,14 @@ class ZeroStrategy(ParallelStrategy):
         recording = self._recorder.take()
         config = self.config if not self._pretrained_loaded else replace(self.config, pretrained=None)
         with initial_values(module, recording, config, self.root_device) as values:
-            values = take_back_released(values, module, self._weights_engine, self.root_device)
+            values = take_back_released(values, module, self._sharded.left_sharded(), self.root_device)
             policy = self.precision_plugin.policy()
-            self._engine = ZeroEngine(module, optimizers, self.config, layout, entry, policy, initial_values=values)
+            engine = ZeroEngine(module, optimizers, self.config, layout, entry, policy, initial_values=values)
+        self._sharded.begin(engine)
         self._pretrained_loaded = True  # a later test()/validate() on this Trainer keeps the trained weights
-        self._weights_engine = None  # its slices were read into the new engine (or the module was full)
         self.model = entry
-        self.precision_plugin.attach(self._engine)
-        self.checkpoint_io.attach(self._engine, str(self.precision_plugin.precision))
+        self.precision_plugin.attach(engine)
+        self.checkpoint_io.attach(engine, str(self.precision_plugin.precision))
 
     def _rank_layout(self) -> RankLayout | None:
         """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local
@@ -306,9 +300,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def engine(self) -> ZeroEngine:
-        if self._engine is None:
-            raise RuntimeError("the model is not sharded: ZeroStrategy.setup() has not run, or teardown() has.")
-        return self._engine
+        return self._sharded.active
 
     @override
     def model_to_device(self) -> None:
@@ -338,13 +330,9 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
-            if not self._engine.release():  # the module's parameters stay sharded: see core/release.py
-                self._weights_engine = self._engine
+        if self._sharded.state is ModelState.SHARDED:
+            if not self._sharded.end():  # the module's parameters stay sharded: see core/step/release.py
                 warn_parameters_stay_sharded(self.config.stage)
-            if self._engine.optimizers:  # kept for a save after fit (see [Note: saving after fit])
-                self._fit_engine = self._engine
-            self._engine = None
             if self.lightning_module is not None:
                 remove_activation_checkpointing(self.lightning_module)
             self.precision_plugin.attach(None)
@@ -397,7 +385,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Empty: parameters and buffers are written by each rank into its shard, never gathered (after fit too,
-        see [Note: saving after fit] in zero_strategy/checkpoint/unsharded.py)."""
+        see [Note: saving after fit] in sharded_model.py)."""
         return {}
 
     @override
@@ -408,14 +396,25 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank; every rank writes its shard into the directory rank 0 names.
-        path = self.broadcast(filepath)
-        if self._engine is not None:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
-        # after fit (or outside any fit) a sharded directory is still written: see [Note: saving after fit]
-        save_without_engine(self, checkpoint, path, self._fit_engine)
+        path = self.broadcast(filepath)
+        source = self._sharded.save_source(self.optimizers)  # see [Note: saving after fit]
+        if source is not None:
+            engine, with_optimizer = source
+            self.checkpoint_io.save_sharded(engine, checkpoint, path, with_optimizer)
+        else:
+            self._save_from_module(checkpoint, path)
+
+    def _save_from_module(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """No engine in this process (see [Note: saving after fit]): the module's own weights, one writer."""
+        module = self.lightning_module
+        assert module is not None
+        self._sharded.check_holds_weights(module, path, self.checkpoint_io.handed_back)
+        if _distributed_is_initialized() and self.global_rank != 0:
+            return  # one writer (the Trainer's barrier follows)
+        spawned_fit = self._start_method != "popen" and not _distributed_is_initialized()
+        self.checkpoint_io.save_from_module(module, self.config, checkpoint, path, spawned_fit)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -455,6 +454,14 @@ class ZeroStrategy(ParallelStrategy):
         return self.engine.comm_log.snapshot()
 
     # ---------------------------------------------------------------------------- Lightning collectives
+    @contextmanager
+    def gathered_parameters(self) -> Generator[None, None, None]:
+        """Every parameter of the module whole for the duration of the block (stage 3 gathers; a collective every
+        rank enters): the way to read parameters outside forward (see [Note: parameters outside forward] in
+        core/flat/access.py)."""
+        with self.engine.gathered_parameters():
+            yield
+
     @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():

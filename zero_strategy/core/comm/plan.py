@@ -45,7 +45,7 @@ from zero_strategy.core.comm.watched import WatchedComm
 from zero_strategy.core.plan.flat_specs import FlatSpec
 from zero_strategy.core.plan.topology import RankLayout
 
-__all__ = ["ARENAS", "ARENA_CAP_BYTES", "CommPlan", "ReplicaComm", "network_comm", "watch_applies"]
+__all__ = ["ARENAS", "ARENA_CAP_BYTES", "CommPlan", "ReplicaComm", "local_comm", "network_comm", "watch_applies"]
 
 ARENA_CAP_BYTES = 256 * 2**20
 """Largest FlatParam exchanged through shared memory (each rank holds ``ARENAS`` arenas of this size at most: they
@@ -61,6 +61,12 @@ class ReplicaComm:
     comm: Comm
     count: int  # replicas of each slice (shard groups)
     index: int  # which shard group this rank belongs to (0: the one that writes checkpoints)
+
+
+def local_comm(log: CommunicationLog) -> Comm:
+    """A Comm over this process alone (a group of one rank, whatever the world): for work only this process does,
+    such as writing a checkpoint of a module no engine holds."""
+    return SoloComm(Group(None, 0, 1, (0,), torch.device("cpu")), log)
 
 
 def network_comm(handle: dist.ProcessGroup | InProcessGroup | None, collectives: str, log: CommunicationLog) -> Comm:

@@ -58,6 +58,19 @@ def leave_sharded(flat: FlatParam) -> None:
     flat.storage.detach_full()
 
 
+def adopt_module_values(flats: Iterable[FlatParam]) -> None:
+    """A *released* engine's slices take this rank's part of the module's current full parameters (a parameter left
+    sharded, on the meta device, is skipped: the slice is its only copy): a save after release writes what the
+    module holds, even if the user changed it since."""
+    with torch.no_grad():
+        for flat in flats:
+            for piece in flat.layout.overlaps(flat.rank):
+                param = flat.params[flat.names.index(piece.name)]
+                if not param.is_meta:
+                    values = param.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+                    flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+
+
 class ReleasedShards:
     """Reads a released engine's slices by parameter name and element range: the ``WeightsReader`` a later engine
     over the same module loads from (see [Note: releasing a model built sharded]). Only this rank's own ranges are

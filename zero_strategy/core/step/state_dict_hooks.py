@@ -32,7 +32,7 @@ class StateDictGathers:
         self._quiet = False
         for sub in module.modules():
             self._handles.append(sub.register_state_dict_pre_hook(partial(self._before, sub)))
-            self._handles.append(sub.register_state_dict_post_hook(self._after))
+            self._handles.append(sub.register_state_dict_post_hook(partial(self._after)))  # torch marks the hook
 
     def remove(self) -> None:
         for handle in self._handles:
