@@ -19,7 +19,7 @@ STEPS, SAVE_AT = 5, 2
 
 def _engine(hierarchical: str | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, ZeroEngine]:
     model, optimizer, engine = build(3, "sgd", {"hierarchical_params": hierarchical})
-    assert (engine.ctx.param_group is not None) == (hierarchical is not None)
+    assert (engine.comms.secondary is not None) == (hierarchical is not None)
     return model, optimizer, engine
 
 

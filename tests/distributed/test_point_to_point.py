@@ -65,8 +65,9 @@ def test_exchanges_match_torch_collectives(world_size: int, use_subgroup: bool) 
     assert len(results) == group_size
     for result in results:
         assert result["gather_equal"] and result["mean_close"] and result["point_to_point_on_gloo"]
-        assert result["max"] == [group_size - 1, 0.0]
-        assert result["sum"] == [group_size * (group_size + 1) / 2] * 3
+        members = result["members"]  # each rank contributed its global rank (and its negation), and rank + 1
+        assert result["max"] == [max(members), -min(members)]
+        assert result["sum"] == [sum(member + 1 for member in members)] * 3
         # Bytes handed to isend, per peer, computed by hand: the gather sends the 1001-float shard to every peer and
         # the reduce-scatter each peer's 1001-float chunk; the max sends the 2 floats to every peer; the sum of 3
         # floats pads to ceil(3/N)·N, then sends each peer its chunk and then this rank's chunk (ceil(3/N) each way).

@@ -199,8 +199,8 @@ def in_place_change_worker(rank, world_size, change):
             for tokens in micro_batches:  # accumulation: two uses of every unit per step
                 lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
             engine.optimizer_step(optimizer)
-            if change and step == 0:
-                with torch.no_grad():
+            if change and step == 0:  # (outside forward a stage-3 parameter is only usable in gathered_parameters)
+                with engine.gathered_parameters(), torch.no_grad():
                     model.blocks[1].fc.weight.mul_(0.5)  # every rank halves the same memory: a quarter
     engine.release()
     return [str(w.message) for w in caught if "changed in place outside the optimizer" in str(w.message)]

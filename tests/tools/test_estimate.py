@@ -47,7 +47,7 @@ def _model_state_bytes(engine: ZeroEngine) -> int:
     """Every storage a FlatParam owns: compute copies (``full``; a buffer the host's ranks share counts 1/N),
     master slices, device copies of offloaded ones."""
     tensors = [flat.full for flat in engine.flat_params] + [flat.shard for flat in engine.flat_params]
-    tensors += [flat._device_source for flat in engine.flat_params]
+    tensors += [flat.storage.device_source for flat in engine.flat_params]
     return StorageTally(host_shared_storages(engine)).bytes_of(tensors)
 
 
@@ -68,7 +68,7 @@ def _offload_split(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict
     return {
         "host": StorageTally().bytes_of(placed),
         "host_on_cpu": int(all(t.device.type == "cpu" for t in placed if t is not None)),
-        "device_copies": sum(flat._device_source is not None for flat in engine.flat_params),
+        "device_copies": sum(flat.storage.device_source is not None for flat in engine.flat_params),
     }
 
 

@@ -99,7 +99,7 @@ def test_core_checkpoint_and_both_commands_work_without_lightning(tmp_path):
     assert "Smallest that fits" in done.stdout and done.stdout.rstrip().endswith("ok")
     for name, module, usage in (
         ("zero-estimate", "zero_strategy.estimate", "--world-size"),
-        ("zero-to-fp32", "zero_strategy.checkpoint", "checkpoint output"),
+        ("zero-to-fp32", "zero_strategy.checkpoint", "checkpoint [output]"),
     ):
         helped = _without_lightning([*_console_script(name, module), "--help"], tmp_path)
         assert helped.returncode == 0, helped.stderr[-3000:]
