@@ -121,6 +121,15 @@ class ReassignsAndCasts(nn.Module):
         self.e.weight.data.normal_(0, 0.02)
 
 
+class FromTensorLists(nn.Module):
+    """A buffer and a parameter made by ops that take a list of tensors (stack, cat read every one of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.stack([torch.arange(3.0), -torch.arange(3.0)]))
+        self.weight = nn.Parameter(torch.cat([torch.randn(2, 3), torch.zeros(1, 3)]))
+
+
 REAL_TABLE = torch.arange(12.0).reshape(4, 3) / 7
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
@@ -134,6 +143,7 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "copies_real_tensor": lambda: CopiesRealTensor(REAL_TABLE),
     "own_generator": OwnGenerator,
     "reassigns_and_casts": ReassignsAndCasts,
+    "from_tensor_lists": FromTensorLists,
 }
 
 

@@ -126,14 +126,13 @@ class Recording:
         writes_arg = {a.name for a in schema_args if a.alias_info is not None and a.alias_info.is_write}
         written: dict[int, bool] = {}
         for name in writes_arg:
-            value = bound.get(name)
-            if isinstance(value, Tensor) and value.is_meta:
+            for value in _meta_tensors(bound.get(name)):
                 ref = self.ref(value)
                 full = overwrites_destination(func, name) and ref.covers(self.storage_nbytes[ref.storage])
                 written[ref.storage] = written.get(ref.storage, True) and full
         reads = set()
-        for name, value in bound.items():
-            if isinstance(value, Tensor) and value.is_meta:
+        for name, argument in bound.items():
+            for value in _meta_tensors(argument):  # a tensor, or a list of them (cat, stack)
                 sid = self.ref(value).storage
                 if name not in writes_arg or not written[sid]:  # a partial write keeps (reads) the rest
                     reads.add(sid)
@@ -184,6 +183,10 @@ class Recording:
         if value.is_meta:
             return self.ref(value)
         return RealRef(value, value._version)
+
+
+def _meta_tensors(argument: Any) -> list[Tensor]:
+    return [value for value in tree_flatten(argument)[0] if isinstance(value, Tensor) and value.is_meta]
 
 
 class _RecordOps(TorchDispatchMode):
