@@ -8,7 +8,8 @@ A module built on the meta device (Lightning's ``configure_model`` / ``init_modu
 every FlatParam its real (empty) buffers, then replays the recorded construction (core/deferred/): each
 parameter's value, bit-for-bit what an eager build with the same seed produces, is handed over as soon as it is
 final; the FlatParam copies this rank's part into its shard and the replay frees it. Every rank replays from
-rank 0's recorded generator state, so the values are those DDP would broadcast from rank 0. Peak memory: the
+rank 0's recorded generator states (where the build started, and every state it set: a seed in configure_model,
+a state read before it), so the values are those DDP would broadcast from rank 0. Peak memory: the
 shards plus the few tensors the replay holds at once (the largest single tensor, measured), never the model.
 """
 
@@ -93,10 +94,10 @@ def replay_construction(
     module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, transport: Transport
 ) -> ReplayStats:
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers. Collective
-    (rank 0's generator state is adopted first)."""
+    (rank 0's generator states are adopted first)."""
     recording = plan.recording
     ctx = transport.ctx  # every rank of the run (all replicas) replays from global rank 0's generator state
-    recording.entry_state = broadcast_object(recording.entry_state, ctx.everyone_src, ctx.everyone)
+    recording.generators.adopt(broadcast_object(recording.generators.states(), ctx.everyone_src, ctx.everyone))
     owner: dict[str, tuple[FlatParam, int]] = {}
     for flat in flats:
         for index, name in enumerate(flat.names):

@@ -45,7 +45,7 @@ class ReplayPlan:
     def replay(self, on_final: OnFinal) -> ReplayStats:
         """Runs the construction again on real tensors; `on_final(tensor, value)` gets each value once.
 
-        The generator starts from the recorded state and ends where an eager build leaves it. `value` is never
+        The generators start from the recorded states and end where an eager build leaves them. `value` is never
         written again; the callback may keep it or copy what it needs (a slice), after which replay drops it.
         """
         return _Replayer(self.recording).run(self._steps, on_final)
@@ -60,7 +60,7 @@ class _Replayer:
         self.peak_bytes = 0
 
     def run(self, steps: list[Step], on_final: OnFinal) -> ReplayStats:
-        _restore_generators(self.recording)
+        self.recording.generators.restore()
         run = scratch = 0
         with torch.no_grad():
             for step in steps:
@@ -138,15 +138,6 @@ class _Replayer:
     def _view(self, storages: dict[int, torch.UntypedStorage], ref: TensorRef) -> Tensor:
         tensor = torch.empty(0, dtype=ref.dtype, device=self.device)
         return tensor.set_(storages[ref.storage], ref.offset, ref.size, ref.stride)
-
-
-def _restore_generators(recording: Recording) -> None:
-    if recording.device.type == "cpu":
-        torch.set_rng_state(recording.entry_state)
-    else:
-        torch.cuda.set_rng_state(recording.entry_state, recording.device)
-    for generator, state in recording.generators.values():
-        generator.set_state(state)
 
 
 def materialize_module(module: nn.Module, recording: Recording) -> ReplayStats:
