@@ -21,9 +21,9 @@ from zero_strategy.checkpoint.pretrained import (
 )
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.deferred import Recording, record_construction
+from zero_strategy.core.deferred import Recording, materialize_module, record_construction
 from zero_strategy.core.engine import ZeroEngine
-from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader
+from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader, meta_names
 from zero_strategy.core.release import ReleasedShards
 
 
@@ -48,6 +48,16 @@ class ConstructionRecorder:
     def take(self) -> Recording | None:
         recording, self.recording = self.recording, None
         return recording
+
+    def materialize_if_nothing_to_shard(self, module: nn.Module) -> None:
+        """A build that made no parameter or buffer on the meta device (the network came from ``__init__``), only
+        other tensors (metrics built in ``configure_model``), has nothing to shard: those tensors get their values
+        now, on this rank, as an eager build on this rank gives them (see [Note: held tensors] in
+        core/deferred/held.py), before Lightning moves the module to its device."""
+        recording = self.recording
+        if recording is not None and recording.ops and not meta_names(module):
+            self.recording = None
+            materialize_module(module, recording)
 
 
 @contextmanager

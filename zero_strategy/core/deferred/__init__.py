@@ -16,7 +16,9 @@ Design ("sharded construction"):
 * Replay (`ReplayPlan.replay`): the generator is reset to the recorded state and the live ops run in order on
   real tensors; each parameter/buffer value is handed to a callback as soon as its last write is done, then
   freed. Every random op and generator step runs, so values and the final generator states equal an eager
-  build's, bit for bit. `peak_bytes` counts the storages replay holds at once (a few tensors, not the model).
+  build's, bit for bit. Tensors the module holds besides parameters and buffers (torchmetrics states, plain
+  tensor attributes: see [Note: held tensors] in held.py) get their values in place. `peak_bytes` counts the
+  storages replay holds at once (a few tensors, not the model).
 * `materialize_module` replays into the module itself, keeping Parameter identity and ties.
 """
 

@@ -239,11 +239,26 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
+# `torch.get_default_device()` answers "cpu" by making `torch.tensor([])` and reading its device. Under the
+# recording that probe would say "meta", and code that stores the answer (a torchmetrics Metric's `device`, used
+# to place tensors after the build) would keep placing them on the meta device: the probe is left alone.
+_DEFAULT_DEVICE_PROBE = next(
+    (
+        code
+        for code in torch.get_default_device.__code__.co_consts
+        if isinstance(code, types.CodeType) and code.co_name == "_get_device_with_index"
+    ),
+    None,
+)
+
+
 class _DefaultToMeta(TorchFunctionMode):
     """Like `torch.device("meta")`, except that tensors made from data keep their values (a recorded copy)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if sys._getframe(1).f_code is _DEFAULT_DEVICE_PROBE:
+            return func(*args, **kwargs)
         if func is Tensor.new_tensor and args[0].is_meta and kwargs.get("device") is None:
             kwargs.setdefault("dtype", args[0].dtype)
             return torch.tensor(args[1], **kwargs, device="cpu").to(_META)
