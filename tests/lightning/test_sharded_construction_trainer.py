@@ -1,15 +1,18 @@
-"""configure_model under ZeRO builds on the meta device and materializes unit by unit; pretrained weights are read
-shard by shard. Each run is compared with the same module built eagerly and trained by DDP (spawn launchers)."""
+"""configure_model under ZeRO builds on the meta device and materializes unit by unit (reseeds and metrics built
+there included); pretrained weights are read shard by shard. Each run is compared with the same module built eagerly
+and trained by DDP."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
-from helpers.lit import train_loader, trainer_kwargs
-from helpers.lit_meta import ConfiguredLM, LoadsInConfigureModel
+from helpers.lit import train_loader, trainer_kwargs, val_loader
+from helpers.lit_meta import ConfiguredLM, LoadsInConfigureModel, MetricsOnlyInConfigureModel, SeededWithMetrics
 from helpers.meta_models import TransformerLM
 from helpers.models import assert_state_close
 from safetensors.torch import save_file
@@ -17,6 +20,7 @@ from safetensors.torch import save_file
 import zero_strategy
 from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.testing import run_ranks
 
 
 def _fit(strategy: object, module: ConfiguredLM) -> dict[str, torch.Tensor]:
@@ -41,11 +45,70 @@ def _dir(tmp_path: Path, name: str) -> str:
     return str(tmp_path / name)
 
 
+def fit_and_validate_each(rank: int, world_size: int, runs: tuple[tuple[str, str], ...]) -> dict:
+    """On one rank of ``world_size`` (launched by run_ranks, as torchrun would: Lightning sees LOCAL_RANK and does not
+    launch), fit then validate each (module, strategy) of ``runs`` in turn on the same process group."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    modules = {"seeded": SeededWithMetrics, "metrics_only": MetricsOnlyInConfigureModel}
+    out = {}
+    for module_name, strategy in runs:
+        module = modules[module_name]()
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(
+            devices=world_size, max_epochs=1, limit_train_batches=3, accumulate_grad_batches=1,
+            gradient_clip_val=None))  # fmt: skip
+        trainer.fit(module, train_loader(), val_loader())
+        fitted = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        validated = trainer.validate(module, val_loader(), verbose=False)[0]
+        observed = dict(module.observed, fitted=fitted, validated=validated, val_batches=int(module.val_batches))
+        module.val_accuracy.reset()  # needs real defaults
+        module.train_loss.reset()
+        observed["states"] = module.metric_states()
+        out[(module_name, strategy)] = observed
+    return out
+
+
+def _close(got: float, ref: float) -> bool:
+    return abs(got - ref) <= 1e-5 * max(abs(ref), 1.0)
+
+
+def _assert_like_ddp(got: dict, ddp: dict, what: str) -> None:
+    for name, value in ddp["setup"].items():
+        assert torch.equal(got["setup"][name], value), f"{what}: {name} differs from DDP's after setup"
+    torch_state, python_state, numpy_state = got["generators"]
+    assert torch.equal(torch_state, ddp["generators"][0]), f"{what}: torch's generator differs from DDP's"
+    assert python_state == ddp["generators"][1], f"{what}: Python's random state differs from DDP's"
+    assert all(np.array_equal(a, b) for a, b in zip(numpy_state, ddp["generators"][2], strict=True)), what
+    assert torch.equal(got["probe"], ddp["probe"]), f"{what}: a random tensor attribute differs from DDP's"
+    assert_state_close(got["trained"], ddp["trained"], what=f"{what}, trained")
+    for results in ("fitted", "validated"):
+        assert got[results].keys() == ddp[results].keys(), (what, results)
+        for name, value in ddp[results].items():
+            assert _close(got[results][name], value), f"{what}: {results} {name} {got[results][name]} != {value}"
+    assert got["val_batches"] == ddp["val_batches"], f"{what}: the plain counter tensor differs from DDP's"
+    for name, state in got["states"].items():
+        reference = ddp["states"][name]
+        if isinstance(reference, list):
+            assert state == reference == [], f"{what}: {name}"
+        else:
+            assert not state.is_meta and torch.equal(state, reference), f"{what}: {name} after reset"
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["zero1_spawn", "zero3_spawn"])
-def test_configure_model_on_meta_trains_like_ddp(name: str, tmp_path: Path) -> None:
-    reference = _fit("ddp_spawn", ConfiguredLM(_dir(tmp_path, "ddp")))
-    assert_state_close(_fit(name, ConfiguredLM(_dir(tmp_path, "zero"))), reference, what=f"{name} vs ddp_spawn")
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_seeded_configure_model_with_metrics_matches_ddp(world_size: int) -> None:
+    """``torch.manual_seed``/``seed_everything`` and metrics in ``configure_model``, at stages 1-3: the weights and
+    generators after setup equal DDP's bit for bit, training and the logged metrics match DDP's, teardown works
+    and the metrics reset to real defaults afterwards. One launch per world size runs every strategy."""
+    runs = tuple(("seeded", strategy) for strategy in ("ddp", "zero1", "zero2", "zero3"))
+    if world_size == 2:
+        runs += (("metrics_only", "ddp"), ("metrics_only", "zero3"))
+    results = run_ranks(fit_and_validate_each, world_size, runs, timeout_s=110)
+    for rank, result in enumerate(results):
+        for module_name, strategy in runs:
+            ddp = result[(module_name, "ddp")]
+            if strategy != "ddp":
+                _assert_like_ddp(result[(module_name, strategy)], ddp, f"{module_name} {strategy} rank {rank}")
+    assert results[0][("seeded", "ddp")]["validated"]["val_accuracy"] > 0  # the metrics measured something
 
 
 @pytest.mark.timeout(120)
