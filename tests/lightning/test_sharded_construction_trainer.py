@@ -5,6 +5,7 @@ and trained by DDP."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,18 +24,34 @@ from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
 
-def _fit(strategy: object, module: ConfiguredLM) -> dict[str, torch.Tensor]:
+def _launched_externally(rank: int, world_size: int) -> None:
+    """What torchrun sets: Lightning sees LOCAL_RANK and runs in this process instead of launching ranks."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+
+
+Run = tuple[Callable[[], object], Callable[[], pl.LightningModule]]  # (strategy, module), made on the rank
+
+
+def fit_in_turn(rank: int, world_size: int, runs: list[Run]) -> None:
+    """On one rank (launched by run_ranks), fit each (strategy, module) of ``runs`` in turn for 3 steps; the modules
+    write their weights to their ``out_dir`` (read by ``_trained_state``)."""
+    _launched_externally(rank, world_size)
+    for make_strategy, make_module in runs:
+        pl.seed_everything(3, verbose=False)
+        trainer = pl.Trainer(strategy=make_strategy(), **trainer_kwargs(
+            devices=world_size, max_steps=3, max_epochs=1, accumulate_grad_batches=1,
+            gradient_clip_val=None))  # fmt: skip
+        trainer.fit(make_module(), train_loader())
+
+
+def _trained_state(out_dir: str) -> dict[str, torch.Tensor]:
     """Rank 0's weights after the fit (both ranks checked to agree)."""
-    pl.seed_everything(3, verbose=False)
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_steps=3, max_epochs=1, accumulate_grad_batches=1,
-                                                             gradient_clip_val=None))  # fmt: skip
-    trainer.fit(module, train_loader())
-    saved = Path(module.out_dir) / "after_fit.ckpt"
+    saved = Path(out_dir) / "after_fit.ckpt"
     if saved.exists():  # built sharded at stage 3: the parameters stayed sharded and the ranks saved them
-        state = torch.load(consolidate(saved, Path(module.out_dir) / "model.pt"), weights_only=True)
+        state = torch.load(consolidate(saved, Path(out_dir) / "model.pt"), weights_only=True)
         assert set(state) == {f"net.{k}" for k in TransformerLM().state_dict()}  # every tensor, consolidated
         return state
-    states = [torch.load(Path(module.out_dir) / f"state_rank{r}.pt", weights_only=True) for r in range(2)]
+    states = [torch.load(Path(out_dir) / f"state_rank{r}.pt", weights_only=True) for r in range(2)]
     assert len(states[0]) == len(TransformerLM().state_dict())  # the network's every tensor, not an empty dict
     assert_state_close(states[1], states[0], rel=0.0, what="rank 1 vs rank 0")
     return states[0]
@@ -48,7 +65,7 @@ def _dir(tmp_path: Path, name: str) -> str:
 def fit_and_validate_each(rank: int, world_size: int, runs: tuple[tuple[str, str], ...]) -> dict:
     """On one rank of ``world_size`` (launched by run_ranks, as torchrun would: Lightning sees LOCAL_RANK and does not
     launch), fit then validate each (module, strategy) of ``runs`` in turn on the same process group."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    _launched_externally(rank, world_size)
     modules = {"seeded": SeededWithMetrics, "metrics_only": MetricsOnlyInConfigureModel}
     out = {}
     for module_name, strategy in runs:
@@ -122,15 +139,18 @@ def test_pretrained_files_load_shard_by_shard_like_an_eager_load(tmp_path: Path)
     save_file({f"net.{k}": v for k, v in tensors.items()}, tmp_path / "module.safetensors")
     key_map = {"strip_prefix": "transformer."}
 
-    net_file = str(tmp_path / "net.safetensors")
-    reference = _fit("ddp_spawn", ConfiguredLM(_dir(tmp_path, "ddp"), net_file, key_map))
-    zero = _fit("zero3_spawn", ConfiguredLM(_dir(tmp_path, "zero"), net_file, key_map))
-    assert_state_close(zero, reference, what="load_pretrained in configure_model, zero3 vs ddp")
-
-    whole = str(tmp_path / "module.safetensors")
-    by_option = _fit(ZeroStrategy(stage=3, start_method="spawn", pretrained=whole), ConfiguredLM(_dir(tmp_path, "o")))
-    eager = _fit("ddp_spawn", LoadsInConfigureModel(_dir(tmp_path, "ddp_whole"), whole))
-    assert_state_close(by_option, eager, what="pretrained= option")
+    net_file, whole = str(tmp_path / "net.safetensors"), str(tmp_path / "module.safetensors")
+    dirs = {name: _dir(tmp_path, name) for name in ("ddp", "zero", "option", "ddp_whole")}
+    runs = [
+        (lambda: "ddp", lambda: ConfiguredLM(dirs["ddp"], net_file, key_map)),
+        (lambda: "zero3", lambda: ConfiguredLM(dirs["zero"], net_file, key_map)),
+        (lambda: ZeroStrategy(stage=3, pretrained=whole), lambda: ConfiguredLM(dirs["option"])),
+        (lambda: "ddp", lambda: LoadsInConfigureModel(dirs["ddp_whole"], whole)),
+    ]
+    run_ranks(fit_in_turn, 2, runs, timeout_s=110)  # one launch: the four fits in turn on the same two ranks
+    zero, by_option = _trained_state(dirs["zero"]), _trained_state(dirs["option"])
+    assert_state_close(zero, _trained_state(dirs["ddp"]), what="load_pretrained in configure_model, zero3 vs ddp")
+    assert_state_close(by_option, _trained_state(dirs["ddp_whole"]), what="pretrained= option")
     # the runs started from the file, not from their own initialization: 3 small steps stay near the donor
     torch.manual_seed(3)
     fresh = TransformerLM().state_dict()
