@@ -86,9 +86,9 @@ class SeededWithMetrics(pl.LightningModule):
         self.observed: dict[str, Any] = {}
 
     def configure_model(self) -> None:
-        if self.net is not None:  # configure_model runs again on validate after fit
+        pl.seed_everything(7, verbose=False)  # also when it runs again (validate after fit): a reseed, nothing built
+        if self.net is not None:
             return
-        pl.seed_everything(7, verbose=False)
         self.net = TransformerLM()
         with isolate_rng():
             torch.manual_seed(3)
@@ -125,6 +125,10 @@ class SeededWithMetrics(pl.LightningModule):
 
     def on_train_end(self) -> None:
         self.observed["trained"] = full_state(self)
+
+    def on_validation_start(self) -> None:
+        if self.trainer.validating:  # trainer.validate after fit: configure_model reseeded, built nothing
+            self.observed["generators_at_validate"] = torch.get_rng_state()
 
     def metric_states(self) -> dict[str, Tensor | list]:
         """Every metric state and default, by name (after teardown: must be real, usable tensors)."""

@@ -96,6 +96,8 @@ def _assert_like_ddp(got: dict, ddp: dict, what: str) -> None:
     assert python_state == ddp["generators"][1], f"{what}: Python's random state differs from DDP's"
     assert all(np.array_equal(a, b) for a, b in zip(numpy_state, ddp["generators"][2], strict=True)), what
     assert torch.equal(got["probe"], ddp["probe"]), f"{what}: a random tensor attribute differs from DDP's"
+    if "generators_at_validate" in ddp:
+        assert torch.equal(got["generators_at_validate"], ddp["generators_at_validate"]), f"{what}: at validate"
     assert_state_close(got["trained"], ddp["trained"], what=f"{what}, trained")
     for results in ("fitted", "validated"):
         assert got[results].keys() == ddp[results].keys(), (what, results)

@@ -57,6 +57,13 @@ class Recording:
         self._alive: list[torch.UntypedStorage] = []  # keeps meta storages alive so addresses are never reused
         self._black_box_frame: types.FrameType | None = None
 
+    @property
+    def made_tensors(self) -> bool:
+        """Whether the build made any tensor on the meta device. One that only reseeded (configure_model running
+        again on a built model, seeding before its guard) has nothing to replay: its reseeds ran for real, and
+        recording leaves each generator at the last state the build set, as an eager build does."""
+        return bool(self.storage_nbytes)
+
     def storage_id(self, tensor: Tensor) -> int | None:
         """The recording's id of a meta tensor's storage, or None if the recording never saw it."""
         return self._ids.get(tensor.untyped_storage()._cdata)
