@@ -1,6 +1,7 @@
 """Models whose construction exercises what sharded (meta-device) construction must reproduce bit for bit: tied
-weights and a parent re-initializing its children (TiedLM), nn.Transformer's xavier re-init of every child, and
-buffers computed at construction (a positional table; random buffers drawn between parameter inits)."""
+weights and a parent re-initializing its children (TiedLM), nn.Transformer's xavier re-init of every child,
+buffers computed at construction (a positional table; random buffers drawn between parameter inits), and reseeds
+inside the build (ReseededLM)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,34 @@ class TransformerLM(nn.Module):
         return self.head(h * self.gain)
 
 
+class ReseededLM(TransformerLM):
+    """TransformerLM re-initialized with reseeds inside the build: a generator state read at its start and set back
+    later (rank-dependent when the ranks were seeded differently: every rank must use rank 0's, as DDP broadcasts
+    rank 0's values), ``torch.manual_seed``, and a ``fork_rng`` block after random draws. It also holds a random
+    plain tensor attribute (``mixing``), which is neither a parameter nor a buffer."""
+
+    def __init__(self) -> None:
+        entry = torch.get_rng_state()
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            self.head.reset_parameters()
+        nn.init.normal_(self.emb.weight, std=0.5)  # from the state fork_rng restored: after TransformerLM's draws
+        torch.set_rng_state(entry)
+        self.core.encoder.layers[0].linear1.reset_parameters()
+        self.mixing = torch.rand(3)
+        torch.manual_seed(11)
+        self.register_buffer("offset", 0.1 * torch.randn(VOCAB))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) + self.offset
+
+
 def build(kind: str) -> nn.Module:
     if kind == "tied":
         return TiedLM(width=WIDTH)
     if kind == "transformer":
         return TransformerLM()
+    if kind == "reseeded":
+        return ReseededLM()
     raise ValueError(kind)

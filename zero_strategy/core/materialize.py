@@ -8,7 +8,9 @@ A module built on the meta device (Lightning's ``configure_model`` / ``init_modu
 every FlatParam its real (empty) buffers, then replays the recorded construction (core/deferred/): each
 parameter's value, bit-for-bit what an eager build with the same seed produces, is handed over as soon as it is
 final; the FlatParam copies this rank's part into its shard and the replay frees it. Every rank replays from
-rank 0's recorded generator state, so the values are those DDP would broadcast from rank 0. Peak memory: the
+rank 0's recorded generator states (where the build started, and every state it set: a seed in configure_model,
+a state read before it), so the values are those DDP would broadcast from rank 0. Buffers and the tensors the
+module holds besides them (metric states, tensor attributes) are kept whole on every rank. Peak memory: the
 shards plus the few tensors the replay holds at once (the largest single tensor, measured), never the model.
 """
 
@@ -91,11 +93,11 @@ def plan_replay(module: nn.Module, recording: Recording) -> ReplayPlan:
 def replay_construction(
     module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, everyone: Comm
 ) -> ReplayStats:
-    """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers. Collective
-    (rank 0's generator state is adopted first)."""
+    """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers (and the
+    tensors the module holds besides them). Collective (rank 0's generator states are adopted first)."""
     recording = plan.recording
-    # every rank of the run (all replicas) replays from global rank 0's generator state
-    recording.entry_state = everyone.broadcast_object(recording.entry_state, 0, "the recorded generator state")
+    # every rank of the run (all replicas) replays from global rank 0's generator states
+    recording.generators.adopt(everyone.broadcast_object(recording.generators.states(), 0, "generator states"))
     owner: dict[str, tuple[FlatParam, int]] = {}
     for flat in flats:
         for index, name in enumerate(flat.names):
@@ -106,8 +108,8 @@ def replay_construction(
         if target is not None:
             target[0].write_initial_value(target[1], value)
             return
-        for name in final.names:  # a buffer: every rank keeps it whole
-            _set_buffer(module, name, value.clone())
+        for name in final.names:  # a buffer: every rank keeps it whole (tied names and views stay one storage)
+            _set_buffer(module, name, value)
 
     stats = plan.replay(on_final)
     left = meta_names(module)

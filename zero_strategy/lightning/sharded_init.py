@@ -21,8 +21,8 @@ from zero_strategy.checkpoint.pretrained import (
 )
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.deferred import Recording, record_construction
-from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader
+from zero_strategy.core.deferred import Recording, materialize_module, record_construction
+from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader, meta_names
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.release import ReleasedShards
 
@@ -48,6 +48,16 @@ class ConstructionRecorder:
     def take(self) -> Recording | None:
         recording, self.recording = self.recording, None
         return recording
+
+    def materialize_if_nothing_to_shard(self, module: nn.Module) -> None:
+        """A build that made no parameter or buffer on the meta device (the network came from ``__init__``), only
+        other tensors (metrics built in ``configure_model``), has nothing to shard: those tensors get their values
+        now, on this rank, as an eager build on this rank gives them (see [Note: held tensors] in
+        core/deferred/held.py), before Lightning moves the module to its device."""
+        recording = self.recording
+        if recording is not None and recording.made_tensors and not meta_names(module):
+            self.recording = None
+            materialize_module(module, recording)
 
 
 @contextmanager
@@ -77,8 +87,8 @@ def take_back_released(
 ) -> InitialValues:
     """A module whose parameters a previous engine left sharded (fit, then test on the same Trainer) gets them
     back from that engine's slices, each rank reading its own (see [Note: releasing a model built sharded] in
-    core/release.py). Weights named by ``values.pretrained`` still win; a recording that built nothing (the
-    model existed, ``configure_model`` returned early) is dropped."""
+    core/release.py). Weights named by ``values.pretrained`` still win; a recording that built no tensor (the
+    model existed, ``configure_model`` returned early, perhaps after reseeding) is dropped."""
     if released is None:
         return values
     plan: dict[str, tuple[WeightsReader, str]] = dict(
@@ -86,7 +96,7 @@ def take_back_released(
     )
     if not plan:
         return values
-    recording = values.recording if values.recording is not None and values.recording.ops else None
+    recording = values.recording if values.recording is not None and values.recording.made_tensors else None
     if values.pretrained is not None:
         plan.update(values.pretrained.plan)
     return replace(values, recording=recording, pretrained=Pretrained(plan), device=values.device or device)

@@ -234,6 +234,8 @@ class ZeroStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        assert self.lightning_module is not None
+        self._recorder.materialize_if_nothing_to_shard(self.lightning_module)
         self.model_to_device()
         if self.deepspeed_import is not None:
             apply_clipping(self.deepspeed_import, trainer)

@@ -60,7 +60,8 @@ class RealRef:
 
 @dataclass(slots=True)
 class RecordedOp:
-    """One recorded call: an aten op, or a whole `torch.nn.init` function replayed as a black box.
+    """One recorded call: an aten op, a whole `torch.nn.init` function replayed as a black box, or a generator
+    step (a state set or captured: see [Note: reseeds inside the build] in generators.py) called with no arguments.
 
     `args`/`kwargs` hold `TensorRef`/`RealRef` where the call had tensors.
     """
@@ -72,7 +73,7 @@ class RecordedOp:
     overwrites: frozenset[int]  # subset of writes: every byte written, previous value not read
     reads: frozenset[int]  # storages whose values the op reads (partial writes included)
     creates: tuple[tuple[int, TensorRef], ...]  # (position in flattened output, new storage's ref)
-    random: bool  # draws from a generator: must run even when its result is dead
+    random: bool  # draws from a generator (or sets or captures its state): must run even when its result is dead
     where: str  # the module code that issued it, for error messages
 
     @property

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.deferred.held import HeldTensor
 from zero_strategy.core.deferred.ops import DeferredInitError, RecordedOp, TensorRef
 from zero_strategy.core.deferred.record import Recording
 
@@ -29,12 +30,17 @@ class FinalTensor:
         return self.ref.dtype
 
 
+# What replay hands over once its storage is final: a parameter or buffer value (to the caller), or a held tensor
+# (given its value in place; see [Note: held tensors] in held.py).
+Emission = FinalTensor | HeldTensor
+
+
 @dataclass(slots=True)
 class Step:
     """One replay step: an op (or `None` for the emission of `emits`), with what the liveness pass decided."""
 
     op: RecordedOp | None
-    emits: tuple[FinalTensor, ...] = ()
+    emits: tuple[Emission, ...] = ()
     run: bool = True  # False: the op neither draws random numbers nor writes anything read later
     scratch: frozenset[int] = frozenset()  # storages this op writes but whose result nobody reads
     release: frozenset[int] = field(default_factory=frozenset)  # real storages not needed after this step
@@ -59,7 +65,7 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
 
 
-def plan_steps(recording: Recording, finals: tuple[FinalTensor, ...]) -> list[Step]:
+def plan_steps(recording: Recording, emissions: tuple[Emission, ...]) -> list[Step]:
     """Orders the ops and emissions, then runs the backward liveness pass over them.
 
     A final value is emitted right after the last op that writes its storage. See [Note: replay liveness].
@@ -68,9 +74,9 @@ def plan_steps(recording: Recording, finals: tuple[FinalTensor, ...]) -> list[St
     for index, op in enumerate(recording.ops):
         for sid in op.writes | op.created_storages:
             last_write[sid] = index
-    emits_after: dict[int, list[FinalTensor]] = {}
-    for final in finals:
-        emits_after.setdefault(last_write.get(final.ref.storage, -1), []).append(final)
+    emits_after: dict[int, list[Emission]] = {}
+    for emission in emissions:
+        emits_after.setdefault(last_write.get(emission.ref.storage, -1), []).append(emission)
     steps = [Step(None, tuple(emits_after.get(-1, ())))]
     for index, op in enumerate(recording.ops):
         steps.append(Step(op))

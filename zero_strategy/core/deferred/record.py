@@ -15,6 +15,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zero_strategy.core.deferred.generators import RESEEDING_METHODS, GeneratorStates, RestoreState
 from zero_strategy.core.deferred.ops import (
     DeferredInitError,
     RealRef,
@@ -44,27 +45,24 @@ _BLACK_BOX_CODES: dict[types.CodeType, Callable[..., Any]] = {
 }
 
 
-def generator_state(device: torch.device) -> Tensor:
-    """The default generator's state for `device`'s type (the one eager construction there would use)."""
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    raise DeferredInitError(f"deferred initialization replays on 'cpu' or 'cuda', not on {device}")
-
-
 class Recording:
-    """The ops of one construction, in order, with the generator state they start from."""
+    """The ops of one construction, in order (reseeds included), with the generator states they start from."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.ops: list[RecordedOp] = []
         self.storage_nbytes: dict[int, int] = {}  # recorded storage id -> bytes
-        self.entry_state = generator_state(device)
-        self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}  # explicit generators: state at first use
+        self.generators = GeneratorStates(device)
         self._ids: dict[int, int] = {}  # StorageImpl address -> storage id
         self._alive: list[torch.UntypedStorage] = []  # keeps meta storages alive so addresses are never reused
         self._black_box_frame: types.FrameType | None = None
+
+    @property
+    def made_tensors(self) -> bool:
+        """Whether the build made any tensor on the meta device. One that only reseeded (configure_model running
+        again on a built model, seeding before its guard) has nothing to replay: its reseeds ran for real, and
+        recording leaves each generator at the last state the build set, as an eager build does."""
+        return bool(self.storage_nbytes)
 
     def storage_id(self, tensor: Tensor) -> int | None:
         """The recording's id of a meta tensor's storage, or None if the recording never saw it."""
@@ -87,24 +85,44 @@ class Recording:
         return self.ref(tensor)
 
     def check_generators(self, where: str) -> None:
-        """Meta ops draw nothing, so the generator must still be where recording began."""
-        if not torch.equal(generator_state(self.device), self.entry_state):
+        """Meta ops draw nothing, so each generator must still be where the last recorded reseed left it."""
+        generator = self.generators.changed_unseen()
+        if generator is not None:
+            which = "default" if generator is self.generators.default else "explicit"
             raise DeferredInitError(
-                f"the {self.device.type} random generator's state changed during construction on the meta "
-                f"device ({where}): torch.manual_seed / set_rng_state, or a random op on a real tensor, ran "
-                f"inside the build. Replay could not reproduce the values an eager build gets. "
+                f"the {which} {generator.device.type} random generator's state changed during construction on the "
+                f"meta device ({where}) by something other than a reseed (a random op on a real tensor, or a "
+                f"state set outside Python): replay could not reproduce the values an eager build gets. "
                 f"{rng_remedy()}"
             )
-        for generator, state in self.generators.values():
-            if not torch.equal(generator.get_state(), state):
-                raise DeferredInitError(
-                    f"an explicit torch.Generator was used on real tensors ({where}). {rng_remedy()}"
-                )
 
-    def note_generators(self, values: list[Any]) -> None:
-        for value in values:
-            if isinstance(value, torch.Generator) and id(value) not in self.generators:
-                self.generators[id(value)] = (value, value.get_state())
+    def record_set_state(self, generator: torch.Generator, where: str) -> None:
+        """A reseeding method of `generator` returned: the new state becomes a step of the recording (see [Note:
+        reseeds inside the build] in generators.py)."""
+        if self.generators.moving or not self.generators.tracks(generator):
+            return
+        placeholder = self.generators.after_set(generator)
+        if placeholder is None:
+            self._append_generator_step(self.generators.set_states[-1], where)
+            return
+        if not placeholder.captured:  # the capture goes right after the op whose draws it must include
+            index = next(i for i, op in enumerate(self.ops) if op is placeholder.after)
+            self.ops.insert(index + 1, _generator_step(placeholder.capture, placeholder.after.where))
+            placeholder.captured = True
+        self._append_generator_step(RestoreState(generator, placeholder.capture), where)
+
+    def check_seed_read(self, generator: torch.Generator, where: str) -> None:
+        """`initial_seed()` was read: refused while the generator holds a placeholder state (its value would be
+        the placeholder's seed, not the seed an eager build reads)."""
+        if self.generators.tracks(generator) and self.generators.placeholder_of(generator) is not None:
+            raise DeferredInitError(
+                f"initial_seed() was read after random numbers were drawn inside the build on the meta device "
+                f"({where}): record-and-replay has no generator state to read there. Read it before the build, or "
+                f"build this model eagerly."
+            )
+
+    def _append_generator_step(self, step: Callable[[], None], where: str) -> None:
+        self.ops.append(_generator_step(step, where))
 
     def record(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Write down one aten op whose inputs or outputs include meta tensors."""
@@ -126,14 +144,13 @@ class Recording:
         writes_arg = {a.name for a in schema_args if a.alias_info is not None and a.alias_info.is_write}
         written: dict[int, bool] = {}
         for name in writes_arg:
-            value = bound.get(name)
-            if isinstance(value, Tensor) and value.is_meta:
+            for value in _meta_tensors(bound.get(name)):
                 ref = self.ref(value)
                 full = overwrites_destination(func, name) and ref.covers(self.storage_nbytes[ref.storage])
                 written[ref.storage] = written.get(ref.storage, True) and full
         reads = set()
-        for name, value in bound.items():
-            if isinstance(value, Tensor) and value.is_meta:
+        for name, argument in bound.items():
+            for value in _meta_tensors(argument):  # a tensor, or a list of them (cat, stack)
                 sid = self.ref(value).storage
                 if name not in writes_arg or not written[sid]:  # a partial write keeps (reads) the rest
                     reads.add(sid)
@@ -161,22 +178,24 @@ class Recording:
         where: str | None = None,
     ) -> None:
         where = where or module_code_in_frames(sys._getframe(2))
+        values = tree_flatten((args, kwargs))[0]
         if random:
             self.check_generators(where)
-        self.note_generators(tree_flatten((args, kwargs))[0])
-        self.ops.append(
-            RecordedOp(
-                func=func,
-                args=tree_map(self._describe, args),
-                kwargs=tree_map(self._describe, kwargs),
-                writes=frozenset(written),
-                overwrites=frozenset(s for s, full in written.items() if full),
-                reads=reads,
-                creates=creates,
-                random=random,
-                where=where,
-            )
+        self.generators.note_used(values)
+        op = RecordedOp(
+            func=func,
+            args=tree_map(self._describe, args),
+            kwargs=tree_map(self._describe, kwargs),
+            writes=frozenset(written),
+            overwrites=frozenset(s for s, full in written.items() if full),
+            reads=reads,
+            creates=creates,
+            random=random,
+            where=where,
         )
+        self.ops.append(op)
+        if random:
+            self.generators.after_random_op(self.generators.drawn_from(values), op)
 
     def _describe(self, value: Any) -> Any:
         if not isinstance(value, Tensor):
@@ -184,6 +203,16 @@ class Recording:
         if value.is_meta:
             return self.ref(value)
         return RealRef(value, value._version)
+
+
+def _meta_tensors(argument: Any) -> list[Tensor]:
+    return [value for value in tree_flatten(argument)[0] if isinstance(value, Tensor) and value.is_meta]
+
+
+def _generator_step(step: Callable[[], None], where: str) -> RecordedOp:
+    """A replay step that sets or captures a generator's state: it writes no tensor, and always runs."""
+    nothing: frozenset[int] = frozenset()
+    return RecordedOp(step, (), {}, nothing, nothing, nothing, creates=(), random=True, where=where)
 
 
 class _RecordOps(TorchDispatchMode):
@@ -217,11 +246,26 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
+# `torch.get_default_device()` answers "cpu" by making `torch.tensor([])` and reading its device. Under the
+# recording that probe would say "meta", and code that stores the answer (a torchmetrics Metric's `device`, used
+# to place tensors after the build) would keep placing them on the meta device: the probe is left alone.
+_DEFAULT_DEVICE_PROBE = next(
+    (
+        code
+        for code in torch.get_default_device.__code__.co_consts
+        if isinstance(code, types.CodeType) and code.co_name == "_get_device_with_index"
+    ),
+    None,
+)
+
+
 class _DefaultToMeta(TorchFunctionMode):
     """Like `torch.device("meta")`, except that tensors made from data keep their values (a recorded copy)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if sys._getframe(1).f_code is _DEFAULT_DEVICE_PROBE:
+            return func(*args, **kwargs)
         if func is Tensor.new_tensor and args[0].is_meta and kwargs.get("device") is None:
             kwargs.setdefault("dtype", args[0].dtype)
             return torch.tensor(args[1], **kwargs, device="cpu").to(_META)
@@ -235,19 +279,17 @@ class _DefaultToMeta(TorchFunctionMode):
 
 
 @contextmanager
-def _black_box_hook(recording: Recording) -> Iterator[None]:
-    """A profile hook that records calls of the functions in `_BLACK_BOX_CODES` made on meta tensors."""
+def _profile_hook(recording: Recording) -> Iterator[None]:
+    """A profile hook that records what op-level recording cannot see: calls of the functions in
+    `_BLACK_BOX_CODES` made on meta tensors, and generator reseeds (see [Note: reseeds inside the build])."""
     previous = sys.getprofile()
 
     def hook(frame: types.FrameType, event: str, arg: Any) -> None:
-        if recording._black_box_frame is None and event == "call" and frame.f_code in _BLACK_BOX_CODES:
-            code = frame.f_code
-            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-            bound = {name: frame.f_locals[name] for name in names}
-            if any(isinstance(v, Tensor) and v.is_meta for v in bound.values()):
-                where = module_code_in_frames(frame.f_back)
-                recording.record_black_box(_BLACK_BOX_CODES[code], bound, where)
-                recording._black_box_frame = frame
+        if recording._black_box_frame is None:
+            if event == "call" and frame.f_code in _BLACK_BOX_CODES:
+                _enter_black_box(recording, frame)
+            elif event == "c_return" and isinstance(getattr(arg, "__self__", None), torch.Generator):
+                _generator_method_returned(recording, arg, frame)
         elif event == "return" and frame is recording._black_box_frame:
             recording._black_box_frame = None
         if previous is not None:
@@ -260,6 +302,22 @@ def _black_box_hook(recording: Recording) -> Iterator[None]:
         sys.setprofile(previous)
 
 
+def _enter_black_box(recording: Recording, frame: types.FrameType) -> None:
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    bound = {name: frame.f_locals[name] for name in names}
+    if any(isinstance(v, Tensor) and v.is_meta for v in bound.values()):
+        recording.record_black_box(_BLACK_BOX_CODES[code], bound, module_code_in_frames(frame.f_back))
+        recording._black_box_frame = frame
+
+
+def _generator_method_returned(recording: Recording, method: Any, frame: types.FrameType) -> None:
+    if method.__name__ in RESEEDING_METHODS:
+        recording.record_set_state(method.__self__, module_code_in_frames(frame))
+    elif method.__name__ == "initial_seed":
+        recording.check_seed_read(method.__self__, module_code_in_frames(frame))
+
+
 @contextmanager
 def record_construction(device: torch.device | str = "cpu") -> Iterator[Recording]:
     """Build under this context: tensors land on the meta device and the returned recording can replay them.
@@ -269,8 +327,9 @@ def record_construction(device: torch.device | str = "cpu") -> Iterator[Recordin
     """
     recording = Recording(torch.device(device))
     try:
-        with _black_box_hook(recording), _DefaultToMeta(), _RecordOps(recording):
+        with _profile_hook(recording), _DefaultToMeta(), _RecordOps(recording):
             yield recording
+        recording.check_generators("detected when the build finished")
     except DeferredInitError:
         raise
     except (RuntimeError, NotImplementedError, TypeError) as error:
@@ -282,7 +341,8 @@ def record_construction(device: torch.device | str = "cpu") -> Iterator[Recordin
             f"host). Build this model eagerly, or move that code to reset_parameters() or a hook that runs "
             f"after setup."
         ) from error
-    recording.check_generators("detected when the build finished")
+    finally:
+        recording.generators.finish()
 
 
 def _innermost_frame(error: BaseException) -> types.FrameType | None:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zero_strategy.core.deferred.held import HeldTensor, held_tensors
 from zero_strategy.core.deferred.ops import DeferredInitError, RealRef, RecordedOp, TensorRef
 from zero_strategy.core.deferred.plan import FinalTensor, Step, final_tensors, plan_steps
 from zero_strategy.core.deferred.record import Recording
@@ -28,12 +29,14 @@ class ReplayStats:
 
 
 class ReplayPlan:
-    """A recording planned for one module: its final tensors (keys) and the liveness of every op."""
+    """A recording planned for one module: its final tensors (keys), the tensors it holds besides them, and the
+    liveness of every op."""
 
     def __init__(self, recording: Recording, module: nn.Module) -> None:
         self.recording = recording
         self.tensors = final_tensors(module, recording)
-        self._steps = plan_steps(recording, self.tensors)
+        self.held: tuple[HeldTensor, ...] = held_tensors(module, recording)
+        self._steps = plan_steps(recording, (*self.tensors, *self.held))
 
     def key_of(self, name: str) -> int:
         """The key of a parameter's or buffer's qualified name (tied names share a key)."""
@@ -43,9 +46,10 @@ class ReplayPlan:
         raise KeyError(f"{name} is not a meta parameter or buffer of the planned module")
 
     def replay(self, on_final: OnFinal) -> ReplayStats:
-        """Runs the construction again on real tensors; `on_final(tensor, value)` gets each value once.
+        """Runs the construction again on real tensors; `on_final(tensor, value)` gets each parameter and buffer
+        value once, and every held tensor gets its value in place (see [Note: held tensors] in held.py).
 
-        The generator starts from the recorded state and ends where an eager build leaves it. `value` is never
+        The generators start from the recorded states and end where an eager build leaves them. `value` is never
         written again; the callback may keep it or copy what it needs (a slice), after which replay drops it.
         """
         return _Replayer(self.recording).run(self._steps, on_final)
@@ -60,13 +64,17 @@ class _Replayer:
         self.peak_bytes = 0
 
     def run(self, steps: list[Step], on_final: OnFinal) -> ReplayStats:
-        _restore_generators(self.recording)
+        self.recording.generators.restore()
         run = scratch = 0
         with torch.no_grad():
             for step in steps:
                 if step.op is None:
-                    for final in step.emits:
-                        on_final(final, self._view(self.held, final.ref))
+                    for emission in step.emits:
+                        value = self._view(self.held, emission.ref)
+                        if isinstance(emission, HeldTensor):
+                            emission.fill(value)
+                        else:
+                            on_final(emission, value)
                 elif step.run:
                     self._run_op(step.op, step.scratch)
                     run += 1
@@ -140,17 +148,9 @@ class _Replayer:
         return tensor.set_(storages[ref.storage], ref.offset, ref.size, ref.stride)
 
 
-def _restore_generators(recording: Recording) -> None:
-    if recording.device.type == "cpu":
-        torch.set_rng_state(recording.entry_state)
-    else:
-        torch.cuda.set_rng_state(recording.entry_state, recording.device)
-    for generator, state in recording.generators.values():
-        generator.set_state(state)
-
-
 def materialize_module(module: nn.Module, recording: Recording) -> ReplayStats:
-    """Gives every meta parameter and buffer of `module` real storage holding the replayed value.
+    """Gives every meta parameter and buffer of `module` real storage holding the replayed value (and every
+    tensor it holds besides them, in place).
 
     Parameter objects keep their identity (optimizers and tied modules hold them); tied names stay one tensor.
     """

@@ -25,6 +25,7 @@ def module_code_in_frames(frame: types.FrameType | None) -> str:
 
 def rng_remedy() -> str:
     return (
-        "Seed once before building (outside the build), draw random numbers only for tensors the build creates, "
-        "or build this model eagerly."
+        "Inside the build, draw random numbers only for tensors the build creates on the default device (no "
+        "device= argument: they are recorded and replayed), or build this model eagerly. Reseeding inside the build "
+        "(torch.manual_seed, set_rng_state, fork_rng) is fine."
     )
