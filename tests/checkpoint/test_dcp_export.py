@@ -48,7 +48,7 @@ def test_export_equals_consolidate_and_our_reader(tmp_path, stage, world):
 
     consolidate(ckpt_dir, tmp_path / "full.pt", progress=False)
     full = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert list(exported["model"]) == list(full), "the module's state_dict keys, tied ones included, in order"
+    assert set(exported["model"]) == set(full), "every key of the module's state_dict, tied ones included"
     for key, value in full.items():
         assert exported["model"][key].dtype == value.dtype and torch.equal(exported["model"][key], value), key
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.save import SaveInfo
+from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.engine import ZeroEngine
 
@@ -71,6 +72,6 @@ def save_module_weights(
     engine = ZeroEngine(module, [], plain)
     try:
         state = {k: v for k, v in trainer_state.items() if k != "optimizer_states"}
-        save_sharded(engine, path, state, info)
+        save_checkpoint_as(config.checkpoint_format, engine, path, state, info)
     finally:
         engine.release()
