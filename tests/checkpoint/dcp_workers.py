@@ -13,6 +13,7 @@ from ckpt_workers import GLOBAL_BATCH, INFO, build, full_state, make_optimizer, 
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -52,15 +53,21 @@ def fsdp2_full_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def fsdp2_save_then_train(rank: int, world: int, path: str, layout: str = "fsdp2") -> dict[str, dict[str, Tensor]]:
-    """Train SAVE_AT steps, write a DCP checkpoint as FSDP2 users do (``layout="fsdp2"``: ``{"model", "optim"}``)
-    or as Lightning's ModelParallelStrategy does (``"lightning"``: ``{"state_dict", "optimizer_0"}`` and a
-    ``meta.pt`` of trainer state), train on; return the full state at the save and at the end."""
+    """Train SAVE_AT steps, write a DCP checkpoint as FSDP2 users do (``layout="fsdp2"``: ``{"model", "optim"}``),
+    as torchtitan does (``"torchtitan"``: model keys at the top level, ``optimizer`` flattened) or as Lightning's
+    ModelParallelStrategy does (``"lightning"``: ``{"state_dict", "optimizer_0"}`` and a ``meta.pt`` of trainer
+    state), train on; return the full state at the save and at the end."""
     model = fsdp2_model(world)
     optimizer = make_optimizer("adamw", model.parameters())
     fsdp2_train(model, optimizer, batches()[:SAVE_AT], rank, world)
     model_state, optim_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     if layout == "fsdp2":
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    elif layout == "torchtitan":  # model keys at the top level, the optimizer flattened per parameter
+        flat_optim = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+        dcp.save({**model_state, "optimizer": flat_optim}, checkpoint_id=path)
     else:
         dcp.save({"state_dict": model_state, "optimizer_0": optim_state}, checkpoint_id=path)
         if rank == 0:
