@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_workers import build
 from dcp_workers import (
     SAVE_AT,
     assert_close,
@@ -22,6 +23,7 @@ from helpers.models import make_model
 
 from zero_strategy.checkpoint.dcp_export import export_to_dcp
 from zero_strategy.config import ZeroConfig
+from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.testing import run_ranks
 
 TOLERANCE = 1e-5
@@ -65,6 +67,16 @@ def test_other_tools_layouts(tmp_path, layout):
         assert_close(result["final"], fsdp2["final"], TOLERANCE, f"zero2 rank {rank} vs FSDP2 ({layout} layout)")
         expected_state = {"global_step": SAVE_AT} if layout == "lightning" else {}
         assert {k: v for k, v in result["trainer_state"].items() if k == "global_step"} == expected_state
+    if layout == "lightning":  # what ZeroStrategy's checkpoint IO makes of it for trainer.fit(ckpt_path=...)
+        _, _, engine = build(2)
+        io_plugin = ShardedCheckpointIO()
+        io_plugin.attach(engine, "32-true")
+        state = io_plugin.load_checkpoint(path)
+        assert state["global_step"] == SAVE_AT
+        assert state["optimizer_states"] == [{}], "meta.pt leaves it out; Lightning restores optimizers only with it"
+        io_plugin.check(strict=True, with_optimizer=True)
+        assert io_plugin.param_groups[0][0]["lr"] == 1e-2 and set(io_plugin.buffers) == set()
+        io_plugin.close()
 
 
 def _pretrained_worker(rank: int, world: int, path: str) -> dict:
