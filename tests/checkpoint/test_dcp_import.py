@@ -66,6 +66,10 @@ def test_pretrained_reads_any_range_of_a_dcp_checkpoint(zero3_run, tmp_path):
         assert torch.equal(value, full[key]), key
 
 
+SINGLE_PROCESS_SAVE = "ignore:torch.distributed is disabled"  # dcp.save's notice when called without a group
+
+
+@pytest.mark.filterwarnings(SINGLE_PROCESS_SAVE)
 def test_a_parameter_without_optimizer_state_borrows_its_groups_step(tmp_path):
     """A never-stepped parameter (no state, as torch leaves it) next to a stepped one in one param group: its
     per-element state reads as zeros, its step is the group's — one master piece holds both."""
@@ -128,6 +132,7 @@ def test_a_weights_only_checkpoint_cannot_resume_a_fit_and_says_why(tmp_path):
             assert torch.equal(value, model.state_dict()[key]), key
 
 
+@pytest.mark.filterwarnings(SINGLE_PROCESS_SAVE)
 def test_lightning_resume_needs_a_trainer_state(tmp_path):
     from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 

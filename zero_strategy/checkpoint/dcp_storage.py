@@ -3,10 +3,11 @@
 [Note: DCP writes that hold one box and survive a crash]
 torch's ``FileSystemWriter`` (torch 2.13) keeps a reference to the last box of every tensor it wrote into a file
 until the file is closed (it collects them for its safetensors variant even when writing ``torch.save`` records),
-so a rank writing its state into one file holds a box of every tensor: memory that grows with the model. :class:`StreamingFileWriter` keeps torch's writer for everything else
-(directory set-up, the ``.metadata`` file, its format) and replaces only ``write_data``: items are resolved one at
-a time, each serialized as torch does (``torch.save`` records at recorded offsets, read back by torch's own
-``FileSystemReader``) and dropped before the next, so a writer holds one box.
+so a rank writing its state into one file holds a box of every tensor: memory that grows with the model.
+:class:`StreamingFileWriter` keeps torch's writer for everything else (directory set-up, the ``.metadata`` file,
+its format) and replaces only ``write_data``: items are resolved one at a time, each serialized as torch does
+(``torch.save`` records at recorded offsets, read back by torch's own ``FileSystemReader``) and dropped before the
+next, so a writer holds one box.
 
 Publishing mirrors our own format (see [Note: checkpoint layout] in format.py). A new checkpoint is written into
 a hidden sibling ``.NAME.partial-<id>`` and renamed to ``NAME`` after every rank finished. A DCP checkpoint that
