@@ -25,6 +25,14 @@ class OffloadDevice(str, Enum):
     nvme = "nvme"
 
 
+class CheckpointFormat(str, Enum):
+    """How ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write a checkpoint directory (member names lower case
+    like their values, for Hydra overrides such as ``strategy.checkpoint_format=dcp``)."""
+
+    zero = "zero"
+    dcp = "dcp"
+
+
 COLLECTIVE_CHOICES = ("auto", "native", "point_to_point", "shared_memory")
 
 
@@ -130,6 +138,12 @@ class ZeroConfig:
     pretrained_strict: bool = True
     """With ``pretrained``: missing and unexpected keys are an error (False: load what matches, e.g. a new head)."""
 
+    checkpoint_format: CheckpointFormat = CheckpointFormat.zero
+    """"zero": this package's sharded directory (manifest.json and one safetensors shard per rank; zero-to-fp32
+    consolidates it). "dcp": a torch.distributed.checkpoint directory, each rank writing the boxes of its own slices,
+    which FSDP2 (``dcp.load`` at any world size), torchtitan and Lightning's ModelParallelStrategy read. Either
+    resumes here at any world size and stage, and ``trainer.fit(ckpt_path=...)`` reads both whatever this setting."""
+
     shard_group_size: Any = None  # int | "node" | None; `Any` because OmegaConf 2.3 rejects Union fields
     """Hybrid sharding: K ranks share one copy of the sharded state (ZeRO inside each group of K consecutive ranks,
     replicas across groups, gradients averaged over the replicas). "node": the ranks of one node (as the launcher
@@ -159,6 +173,14 @@ class ZeroConfig:
                 f"collectives={self.collectives!r}: use one of {', '.join(map(repr, COLLECTIVE_CHOICES))}."
             )
         self._validate_offload()
+        try:
+            value = self.checkpoint_format
+            self.checkpoint_format = CheckpointFormat(value.value if isinstance(value, CheckpointFormat) else value)
+        except ValueError:
+            raise ZeroConfigError(
+                f"checkpoint_format={self.checkpoint_format!r}: use 'zero' (this package's sharded directory) or "
+                "'dcp' (a torch.distributed.checkpoint directory)."
+            ) from None
         offloaded = self.offload_optimizer is not OffloadDevice.none
         if self.collectives == "shared_memory" and self.zero_stage.reshards_parameters and offloaded:
             raise ZeroConfigError(

@@ -1,5 +1,8 @@
 """Loading a sharded checkpoint into a sharded engine: any world size, any stage, any unit layout.
 
+``load_weights``, ``load_optimizer_state`` and ``restore_rank_rng`` read through :class:`ReadableCheckpoint`, so a
+``torch.distributed.checkpoint`` directory (dcp_reader.py) loads through the same code as our own format.
+
 Every check runs before the first tensor is written, so a checkpoint that does not fit leaves the model and the
 optimizers exactly as they were.
 """
@@ -15,6 +18,7 @@ from zero_strategy.checkpoint.format import CheckpointError
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.rng import restore_rng
 from zero_strategy.checkpoint.shard_content import scalar_value
+from zero_strategy.checkpoint.source import ReadableCheckpoint
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
@@ -77,7 +81,7 @@ def _check_groups(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
                 )
 
 
-def load_weights(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
+def load_weights(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> None:
     """Fill every rank's master shards from the checkpoint, whatever layout wrote it."""
     rank = engine.ctx.rank
     with torch.no_grad():
@@ -90,7 +94,7 @@ def load_weights(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
     engine.after_load()
 
 
-def load_optimizer_state(engine: ZeroEngine, ckpt: ShardedCheckpoint, param_groups: list[list[dict]]) -> None:
+def load_optimizer_state(engine: ZeroEngine, ckpt: ReadableCheckpoint, param_groups: list[list[dict]]) -> None:
     """Rebuild each master piece's optimizer state from the elements it now covers, and the groups' hyper-
     parameters (learning rates moved by schedulers)."""
     for optimizer, groups in zip(engine.optimizers, param_groups, strict=True):
@@ -136,7 +140,7 @@ def _to_offload_files(engine: ZeroEngine, piece: nn.Parameter, state: dict[str, 
 
 
 def _piece_state(
-    engine: ZeroEngine, ckpt: ShardedCheckpoint, flat: FlatParam, offset: int, piece: nn.Parameter
+    engine: ZeroEngine, ckpt: ReadableCheckpoint, flat: FlatParam, offset: int, piece: nn.Parameter
 ) -> dict[str, object]:
     """The state of one master piece, gathered parameter by parameter from the checkpoint."""
     end = offset + piece.numel()
@@ -159,7 +163,7 @@ def _piece_state(
     return state
 
 
-def restore_rank_rng(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> bool:
+def restore_rank_rng(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> bool:
     """Restore the generator states that the rank at this rank's position in the saving run saved (False, and this
     rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in rng.py."""
     saved = ckpt.rng_state(engine.comms.everyone.rank)  # its position among every rank of the run

@@ -2,8 +2,9 @@
 
 ``open_pretrained(PATH)`` accepts a ``.safetensors`` file, a Hugging Face sharded checkpoint (a directory or its
 ``*.index.json``), a directory holding ``model.safetensors`` / ``pytorch_model.bin``, this project's sharded
-checkpoint directory or its consolidated outputs, and a plain ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` torch file
-(memory-mapped, ``weights_only=True``). ``source.read(name, start, count)`` returns elements
+checkpoint directory or its consolidated outputs, a ``torch.distributed.checkpoint`` directory (FSDP2,
+torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
+``.ckpt`` torch file (memory-mapped, ``weights_only=True``). ``source.read(name, start, count)`` returns elements
 ``[start, start + count)`` of the tensor's row-major flattening, in fp32 unless another dtype is asked for,
 reading only those elements from disk (see [Note: pretrained reads stay small] in pretrained_stores.py). A rank
 that owns a slice of a flat parameter reads exactly that slice; nothing holds a whole file or model.
@@ -23,6 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.checkpoint.consolidate import READ_CHUNK_BYTES
+from zero_strategy.checkpoint.dcp_paths import METADATA_NAME as DCP_METADATA_NAME
+from zero_strategy.checkpoint.dcp_paths import is_dcp_directory
 from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError
 from zero_strategy.checkpoint.pretrained_keys import (
     KeyMap,
@@ -53,7 +56,8 @@ based files, as Hugging Face does)."""
 ACCEPTED = (
     "a .safetensors file; a Hugging Face sharded checkpoint (a directory or its *.index.json); a directory "
     "holding model.safetensors or pytorch_model.bin; a zero_strategy sharded checkpoint directory (manifest.json) "
-    "or a file zero-to-fp32 wrote; a torch state_dict or Lightning checkpoint (.pt, .pth, .bin, .ckpt)"
+    "or a file zero-to-fp32 wrote; a torch.distributed.checkpoint directory (.metadata); a torch state_dict or "
+    "Lightning checkpoint (.pt, .pth, .bin, .ckpt)"
 )
 
 
@@ -142,12 +146,17 @@ def _open_store(path: Path) -> TensorStore:
     if path.is_dir():
         if (path / MANIFEST_NAME).is_file():
             return ShardedCheckpointStore(path)
+        if is_dcp_directory(path):
+            from zero_strategy.checkpoint.pretrained_dcp import DcpStore  # torch's DCP modules load only when used
+
+            return DcpStore(path)
         for name in DIRECTORY_FILES:
             if (path / name).is_file():
                 return _open_file(path / name)
         held = sorted(entry.name for entry in path.iterdir())
         raise CheckpointError(
-            f"{path} is a directory with none of {MANIFEST_NAME}, {', '.join(DIRECTORY_FILES)} (it holds "
+            f"{path} is a directory with none of {MANIFEST_NAME}, {DCP_METADATA_NAME}, {', '.join(DIRECTORY_FILES)} "
+            "(it holds "
             f"{held[:10]}{' ...' if len(held) > 10 else ''}); give the weights file itself, or one of: {ACCEPTED}"
         )
     return _open_file(path)

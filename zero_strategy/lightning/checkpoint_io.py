@@ -1,16 +1,18 @@
 """ShardedCheckpointIO: Lightning's checkpoint hooks mapped onto sharded checkpoint directories.
 
-Every rank calls ``save_checkpoint`` (ZeroStrategy makes sure of that); each writes its own shard. Loading is
-split in two so that Lightning's restore order works: ``load_checkpoint`` validates every file and the model's
-compatibility before anything changes and returns Lightning's trainer state; the strategy then loads weights and
-optimizer state from :attr:`opened` at the points where Lightning restores the model and the optimizers.
+Every rank calls ``save_checkpoint`` (ZeroStrategy makes sure of that); each writes its own shard, in the format
+``checkpoint_format`` names (our sharded directory, or a ``torch.distributed.checkpoint`` directory). Loading
+reads either, whatever the setting, and is split in two so that Lightning's restore order works:
+``load_checkpoint`` validates every file and the model's compatibility before anything changes and returns
+Lightning's trainer state; the strategy then loads weights and optimizer state from :attr:`opened` at the points
+where Lightning restores the model and the optimizers.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
@@ -20,14 +22,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, NO_OPTIMIZER_STATE_KEY, PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.dcp_paths import is_dcp_directory
+from zero_strategy.checkpoint.format import (
+    BUFFERS_KEY,
+    MANIFEST_NAME,
+    NO_OPTIMIZER_STATE_KEY,
+    PARAM_GROUPS_KEY,
+    CheckpointError,
+)
 from zero_strategy.checkpoint.load import check_compatible
 from zero_strategy.checkpoint.module_snapshot import ModuleSnapshot
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
-from zero_strategy.config import ZeroConfig
+from zero_strategy.checkpoint.save import SaveInfo
+from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
+from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.version import library_version
+
+if TYPE_CHECKING:
+    from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -36,9 +49,10 @@ class ShardedCheckpointIO(CheckpointIO):
     def __init__(self) -> None:
         self._engine: ZeroEngine | None = None
         self._precision = "32-true"
-        self.opened: ShardedCheckpoint | None = None
+        self.opened: ShardedCheckpoint | DcpCheckpoint | None = None
         self.param_groups: list[list[dict]] = []
         self.buffers: dict[str, Any] = {}
+        self.checkpoint_format = CheckpointFormat.zero  # ZeroStrategy sets its config's
         # what the spawn launcher loaded into the main process's module after fit: key -> whether it held values
         self.handed_back: dict[str, bool] | None = None
 
@@ -68,9 +82,9 @@ class ShardedCheckpointIO(CheckpointIO):
     def save_sharded(
         self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH, with_optimizer: bool = True
     ) -> None:
-        """Write ``checkpoint`` (Lightning's dict) as a sharded directory from ``engine``'s shards. Collective.
-        ``with_optimizer=False``: the engine does not hold the Trainer's optimizer state (a save after a
-        validate/test without a fit in this process); the manifest says so."""
+        """Write ``checkpoint`` (Lightning's dict) as a checkpoint directory in :attr:`checkpoint_format` from
+        ``engine``'s shards. Collective. ``with_optimizer=False``: the engine does not hold the Trainer's optimizer
+        state (a save after a validate/test without a fit in this process); the manifest says so."""
         # The module's parameters and the optimizer states live in the shards; keep Lightning's remaining state.
         trainer_state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         extra: dict[str, Any] = {}
@@ -79,9 +93,9 @@ class ShardedCheckpointIO(CheckpointIO):
                 trainer_state["optimizer_states"] = [{} for _ in trainer_state["optimizer_states"]]
             else:
                 del trainer_state["optimizer_states"]
-                extra[NO_OPTIMIZER_STATE_KEY] = "saved after a run without a fit in this process (validate, test or " \
-                    "predict), where it holds no optimizer state"
-        save_sharded(engine, path, trainer_state, self.save_info(extra))
+                extra[NO_OPTIMIZER_STATE_KEY] = ("saved after a run without a fit in this process (validate, test "
+                                                 "or predict), where it holds no optimizer state")
+        save_checkpoint_as(self.checkpoint_format, engine, path, trainer_state, self.save_info(extra))
 
     def save_from_module(
         self, module: nn.Module, config: ZeroConfig, checkpoint: dict[str, Any], path: _PATH, spawned_fit: bool
@@ -99,7 +113,8 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         snapshot = ModuleSnapshot(module, config)
-        save_sharded(snapshot, path, state, self.save_info({NO_OPTIMIZER_STATE_KEY: why}))  # type: ignore[arg-type]
+        info = self.save_info({NO_OPTIMIZER_STATE_KEY: why})
+        save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)  # type: ignore[arg-type]
 
     def save_info(self, extra: dict[str, Any] | None = None) -> SaveInfo:
         versions = {
@@ -120,21 +135,60 @@ class ShardedCheckpointIO(CheckpointIO):
             self.handed_back = {k: not (isinstance(v, torch.Tensor) and v.is_meta) for k, v in state.items()}
             return {k: v for k, v in state.items() if self.handed_back[k]}
         self.close()
-        opened = ShardedCheckpoint(path)
-        try:
-            state = opened.trainer_state(weights_only)
-        except Exception:
-            opened.close()
-            raise
-        self.opened = opened
-        self.param_groups = state.pop(PARAM_GROUPS_KEY, [])
-        self.buffers = state.pop(BUFFERS_KEY, {})
+        if is_dcp_directory(Path(path)) and not (Path(path) / MANIFEST_NAME).is_file():
+            state = self._open_dcp(path, weights_only)
+        else:
+            opened = ShardedCheckpoint(path)
+            try:
+                state = opened.trainer_state(weights_only)
+            except Exception:
+                opened.close()
+                raise
+            self.opened = opened
+            self.param_groups = state.pop(PARAM_GROUPS_KEY, [])
+            self.buffers = state.pop(BUFFERS_KEY, {})
         state["state_dict"] = {}
         return state
 
+    def _open_dcp(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        """A DCP directory (ours, or Lightning's FSDP/ModelParallel sharded checkpoint with its ``meta.pt``)."""
+        from zero_strategy.checkpoint.dcp_load import dcp_buffers, module_keys
+        from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
+
+        opened = DcpCheckpoint(path, expected=module_keys(self.engine.module))
+        if not opened.has_trainer_state():
+            raise CheckpointError(
+                f"{path} is a DCP checkpoint without Lightning's trainer state (no zero_strategy.trainer_state item, "
+                f"no meta.pt), so a fit cannot resume from it. To start a fit from its weights, pass "
+                f"pretrained={str(path)!r} to ZeroStrategy and fit without ckpt_path."
+            )
+        state = opened.trainer_state(weights_only)
+        if opened.has_optimizer_state and "optimizer_states" not in state:  # Lightning's meta.pt leaves it out
+            state["optimizer_states"] = [{} for _ in self.engine.optimizers]
+        self.opened = opened
+        self.param_groups = []  # read in check(): matching groups needs the engine's
+        self.buffers = dcp_buffers(self.engine.module, opened)
+        return state
+
+    def optimizer_state_absent(self) -> bool:
+        """Whether the opened checkpoint records that it was saved without optimizer state (and why)."""
+        if isinstance(self.opened, ShardedCheckpoint):
+            return NO_OPTIMIZER_STATE_KEY in self.opened.manifest.extra
+        if self.opened is not None:
+            info = self.opened.info or {}
+            return NO_OPTIMIZER_STATE_KEY in info.get("extra", {})
+        return False
+
     def check(self, strict: bool, with_optimizer: bool) -> None:
         assert self.opened is not None
-        check_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+        if isinstance(self.opened, ShardedCheckpoint):
+            check_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+            return
+        from zero_strategy.checkpoint.dcp_load import check_dcp_compatible, param_groups_for
+
+        check_dcp_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+        if with_optimizer:
+            self.param_groups = param_groups_for(self.engine, self.opened)
 
     def close(self) -> None:
         if self.opened is not None:

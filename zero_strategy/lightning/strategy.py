@@ -37,7 +37,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from zero_strategy.checkpoint.format import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.control import barrier
@@ -117,6 +116,7 @@ class ZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.config = config
+        self.checkpoint_io.checkpoint_format = config.checkpoint_format
         spec = checkpointing if checkpointing is not None else config.activation_checkpointing
         self._checkpoint_policy = make_policy(spec)
         self._start_method = start_method
@@ -376,6 +376,8 @@ class ZeroStrategy(ParallelStrategy):
                 f"ZeroStrategy saves sharded checkpoints and needs ShardedCheckpointIO, got {type(io).__name__}. "
                 "Remove the CheckpointIO plugin; use zero-to-fp32 to get a single-file checkpoint."
             )
+        if io is not None and hasattr(self, "config"):  # Lightning's connector may hand a new one after __init__
+            io.checkpoint_format = self.config.checkpoint_format
         self._checkpoint_io = io
 
     @property
@@ -425,8 +427,7 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        opened = self.checkpoint_io.opened
-        absent = opened is not None and NO_OPTIMIZER_STATE_KEY in opened.manifest.extra  # said why: say it again
+        absent = self.checkpoint_io.optimizer_state_absent()  # said why: say it again
         with_optimizer = fitting and ("optimizer_states" in state or absent) and bool(self.optimizers)
         self.checkpoint_io.check(strict=module.strict_loading, with_optimizer=with_optimizer)
         return state

@@ -1,0 +1,147 @@
+"""``zero-to-dcp``: a zero_strategy sharded checkpoint directory, rewritten as a ``torch.distributed.checkpoint``
+directory by one process, without gathering anything.
+
+Each rank's shard of each parameter (and of its optimizer state) becomes the boxes of that slice (see boxes.py);
+one box is read from the shard files at a time, when DCP writes it, and dropped before the next (see [Note: DCP
+writes that hold one box and survive a crash] in dcp_storage.py), so memory stays near one tensor whatever the
+model's size. The key layout is [Note: DCP key layout] in dcp_content.py. Importable without Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from zero_strategy.checkpoint.dcp_content import (
+    INFO,
+    MODEL,
+    OPTIM,
+    OURS,
+    PARAM_GROUPS,
+    RNG,
+    STATE,
+    TRAINER_STATE,
+    add_range,
+    info_json,
+    param_group_entries,
+    rng_record,
+    to_bytes,
+)
+from zero_strategy.checkpoint.dcp_planner import ChunkedSavePlanner, ChunkedTensor
+from zero_strategy.checkpoint.dcp_storage import StreamingFileWriter, discard_dcp, plan_dcp_staging, publish_dcp
+from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, FlatEntry, ParamEntry
+from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.shard_content import scalar_value
+
+_CPU = torch.device("cpu")
+
+
+def export_to_dcp(checkpoint: str | os.PathLike, output: str | os.PathLike, weights_only: bool = True) -> Path:
+    """Write the sharded ``checkpoint`` directory as a DCP checkpoint directory at ``output`` and return its path.
+
+    ``output`` must not exist, be an empty directory, or be a DCP checkpoint (replaced atomically). The trainer
+    state is unpickled with ``weights_only`` (``False`` only for checkpoints you trust whose hyper-parameters hold
+    objects). Raises :class:`CheckpointError` for a damaged checkpoint or an output it must not overwrite."""
+    target = Path(output)
+    with ShardedCheckpoint(checkpoint) as ckpt:
+        state_dict = checkpoint_state_dict(ckpt, ckpt.trainer_state(weights_only))
+        staging = plan_dcp_staging(target)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.save(
+                    state_dict,
+                    storage_writer=StreamingFileWriter(staging.directory, staging.save_id),
+                    planner=ChunkedSavePlanner(),
+                    no_dist=True,
+                )
+        except BaseException:
+            discard_dcp(staging)
+            raise
+        publish_dcp(staging)
+    return target
+
+
+def checkpoint_state_dict(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """The nested state dict of [Note: DCP key layout], every tensor a :class:`ChunkedTensor` read on demand."""
+    manifest = ckpt.manifest
+    weights: dict[str, ChunkedTensor] = {}  # canonical name -> its boxes (tied keys share one)
+    model: dict[str, Any] = {}
+    for key, kind, name in manifest.state_dict_keys:
+        if kind == "param":
+            if name not in weights:
+                weights[name] = _param_tensor(ckpt, name, "flat")
+            model[key] = weights[name]
+        else:
+            model[key] = trainer_state[BUFFERS_KEY][key]
+    content: dict[str, Any] = {MODEL: model}
+    if manifest.has_optimizer_state:
+        content[OPTIM] = {STATE: _optimizer_states(ckpt), PARAM_GROUPS: _param_groups(ckpt, trainer_state)}
+    rng = {str(rank): rng_record(*ckpt.rng_state(rank)) for rank in range(manifest.world_size)}  # type: ignore[misc]
+    own_state = {k: v for k, v in trainer_state.items() if k not in (BUFFERS_KEY, PARAM_GROUPS_KEY)}
+    info = info_json(
+        manifest.world_size, manifest.stage, manifest.precision, manifest.versions, manifest.optimizers, manifest.extra
+    )
+    content[OURS] = {TRAINER_STATE: to_bytes(own_state), RNG: rng, INFO: info}
+    return content
+
+
+def _param_tensor(ckpt: ShardedCheckpoint, name: str, tensor_of: str) -> ChunkedTensor:
+    """Parameter ``name``'s weights (``"flat"``) or one optimizer state (``"optim:<name>"``) as the boxes of each
+    rank's slice of it: the chunks follow the shards that wrote the checkpoint."""
+    flat, param = ckpt.params[name]
+    dtype = ckpt.read_param(name, tensor_of, 0, 0).dtype  # an empty read: the stored dtype, nothing loaded
+    tensor = ChunkedTensor(tuple(param.shape), dtype)
+    for rank in range(ckpt.manifest.world_size):
+        start, end = _rank_part(flat, param, rank)
+        if end > start:
+
+            def read(first: int, count: int, name: str = name) -> torch.Tensor:
+                return ckpt.read_param(name, tensor_of, first, count)
+
+            add_range(tensor, start, end - start, read)
+    return tensor
+
+
+def _rank_part(flat: FlatEntry, param: ParamEntry, rank: int) -> tuple[int, int]:
+    """Elements ``[start, end)`` of the parameter (counted inside it) that ``rank``'s shard holds."""
+    shard_start = rank * flat.shard_numel
+    start = max(shard_start, param.offset)
+    end = min(shard_start + flat.shard_numel, param.offset + param.numel)
+    return start - param.offset, max(start, end) - param.offset
+
+
+def _optimizer_states(ckpt: ShardedCheckpoint) -> dict[str, dict[str, Any]]:
+    """``optim.state``: per parameter, its per-element state as boxes and its scalar state (``step``), for every
+    optimized parameter whose piece was stepped (a piece never stepped has no state, as in torch)."""
+    states: dict[str, dict[str, Any]] = {}
+    for flat in ckpt.manifest.flat_params:
+        if flat.optimizer_index is None:
+            continue
+        names = ckpt.state_names(flat)
+        for param in flat.params:
+            if param.group_index is None:
+                continue
+            scalars = ckpt.scalar_state_at(flat, param.offset)
+            if not scalars and not names:
+                continue
+            state: dict[str, Any] = {n: _param_tensor(ckpt, param.name, f"optim:{n}") for n in names}
+            state.update({n: scalar_value(record, _CPU) for n, record in scalars.items()})
+            states[param.name] = state
+    return states
+
+
+def _param_groups(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]) -> list[dict[str, Any]]:
+    members: dict[tuple[int, int], list[str]] = {}
+    for flat in ckpt.manifest.flat_params:
+        if flat.optimizer_index is None:
+            continue
+        for param in flat.params:
+            if param.group_index is not None:
+                members.setdefault((flat.optimizer_index, param.group_index), []).append(param.name)
+    return param_group_entries(trainer_state.get(PARAM_GROUPS_KEY, []), members)
