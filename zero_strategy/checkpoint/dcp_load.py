@@ -14,9 +14,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.format import NO_OPTIMIZER_STATE_KEY, CheckpointError
 from zero_strategy.checkpoint.load import load_optimizer_state, load_weights
-from zero_strategy.checkpoint.unsharded import NO_OPTIMIZER_STATE_KEY
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 

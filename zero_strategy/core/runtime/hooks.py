@@ -124,6 +124,7 @@ class RuntimeHooks:
         self._backward_order_recorded = False
         self._callback_queued = False
         self._reducing: list[ZeroUnit] = []  # units whose reduce-scatters are in flight, in start order
+        self._entry_depth = 0  # forwards of the entry module running now (see [Note: every forward gathers])
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
@@ -134,11 +135,12 @@ class RuntimeHooks:
                         module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True)
                     )
                     self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
-                if unit.is_root and unit.module is not self.entry_module:  # see [Note: every forward gathers]
-                    self._handles.append(unit.module.register_forward_pre_hook(
-                        partial(self._pre_inner_root_forward, unit), prepend=True))
-                    self._handles.append(unit.module.register_forward_hook(
-                        partial(self._post_inner_root_forward, unit)))
+                if unit.is_root:  # see [Note: every forward gathers]
+                    for module in self._root_users(unit):
+                        self._handles.append(module.register_forward_pre_hook(
+                            partial(self._pre_inner_root_forward, unit), prepend=True))
+                        self._handles.append(module.register_forward_hook(
+                            partial(self._post_inner_root_forward, unit)))
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
                     self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
@@ -148,7 +150,17 @@ class RuntimeHooks:
         # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
         # root unit's gather, and the post-hook after the root unit's.
         self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_root_forward, prepend=True))
-        self._handles.append(self.entry_module.register_forward_hook(self._post_root_forward))
+        self._handles.append(self.entry_module.register_forward_hook(self._post_root_forward, always_call=True))
+
+    def _root_users(self, root: ZeroUnit) -> list[nn.Module]:
+        """The module itself (when the step enters elsewhere) and every module that holds root-unit parameters
+        directly: calling any of them uses the root's parameters."""
+        owned = {id(param) for flat in root.flat_params for param in flat.params}
+        users = [module for module in root.module.modules() if module is not self.entry_module
+                 and any(id(param) in owned for param in module.parameters(recurse=False))]
+        if root.module is not self.entry_module and root.module not in users:
+            users.insert(0, root.module)
+        return users
 
     def _forward_entries(self, unit: ZeroUnit) -> list[nn.Module]:
         """The modules whose forward hooks gather ``unit`` (see [Note: container units])."""
@@ -183,11 +195,15 @@ class RuntimeHooks:
     @_not_traced  # see [Note: torch.compile]
     def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
+            self._entry_depth += 1
             self.on_root_forward()
 
     @_not_traced  # see [Note: torch.compile]
     def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if in_backward() or not self.stage.reshards_parameters:
+        if in_backward():
+            return
+        self._entry_depth -= 1
+        if not self.stage.reshards_parameters:
             return
         self._order_recorded = True
         if self.prefetch and self._backward_order_recorded and torch.is_grad_enabled():
@@ -226,11 +242,14 @@ class RuntimeHooks:
 
     # [Note: every forward gathers]
     # The root unit (the parameters outside any other unit) is gathered when the step's forward enters the entry
-    # module (Lightning's wrapper, around training_step) and stays whole until the end of backward. A step may call
-    # the module's own forward again after a backward (a closure: forward, backward, forward, backward; a GAN's
-    # generator and discriminator steps), when the root was released at the end of the first backward: the module's
-    # own forward gathers it again, and its outputs bring it back for their backward. It never releases the root
-    # itself (the entry's forward, still running, may use the root's parameters after it returns).
+    # module (Lightning's wrapper, around training_step) and stays whole until the end of backward. But its
+    # parameters are also used by forwards that do not go through the entry: the module's own forward called
+    # again after a backward in one step (a closure: forward, backward, forward, backward; a GAN's generator and
+    # discriminator steps), after which the root was released at the end of the first backward; or a submodule
+    # called outside any step (a callback evaluating ``pl_module.model(x)``). So the module itself and every
+    # module holding root parameters gather the root before they compute. Their outputs bring it back for their
+    # backward; inside the entry's forward they never release it (the step may use the root's parameters after
+    # they return); outside it, a forward without gradients releases it when it returns (nothing else would).
     @_not_traced  # see [Note: torch.compile]
     def _pre_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
         unit.unshard()
@@ -239,7 +258,12 @@ class RuntimeHooks:
 
     @_not_traced  # see [Note: torch.compile]
     def _post_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
-        if in_backward() or not torch.is_grad_enabled():
+        if in_backward():
+            return
+        if not torch.is_grad_enabled():
+            if self._entry_depth == 0:
+                unit.reshard()
+                unit.state = TrainingState.IDLE
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, Tensor) and tensor.requires_grad:
