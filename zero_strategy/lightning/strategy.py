@@ -28,7 +28,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -59,7 +59,7 @@ from zero_strategy.lightning.precision_selection import ZeroPrecisionChoice
 from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.private_tensors import SHARING_START_METHODS, make_module_tensors_private
 from zero_strategy.lightning.profiler import CommunicationProfiler
-from zero_strategy.lightning.rank_exit import report_rank_finished
+from zero_strategy.lightning.rank_exit import FinishMarkingLauncher
 from zero_strategy.lightning.save_without_engine import save_without_engine
 from zero_strategy.lightning.sharded_init import (
     ConstructionRecorder,
@@ -185,7 +185,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            # Lightning's launcher, whose ranks leave a finished marker last (see [Note: finished markers])
+            self._launcher = FinishMarkingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:
@@ -350,7 +351,6 @@ class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
             # ("terminate called without an active exception") after its work was done.
             barrier()
             dist.destroy_process_group()
-            report_rank_finished(self.local_rank)
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
