@@ -27,9 +27,11 @@ torch.set_num_threads(1)
 # [Note: which rank deaths are retried]
 # A spawn-launched rank is now and then killed by a signal at interpreter exit, after its work is done (a gloo
 # shutdown abort: "terminate called without an active exception"). Such a test is worth one rerun (`make test`
-# passes --reruns 1 --only-rerun RankExitedAfterFinishing); a rank that dies *during* training is a real failure.
-# ZeroStrategy.teardown writes `rank<N>.finished` into $ZERO_STRATEGY_RANK_FINISHED_DIR when that variable is set
-# (spawned ranks inherit it from here); a ProcessExitedException is renamed only when the dead rank wrote its marker.
+# passes --reruns 1 --only-rerun RankExitedAfterFinishing); a rank that dies *during* its work is a real failure.
+# Each test gets its own directory in $ZERO_STRATEGY_RANK_FINISHED_DIR (spawned ranks inherit it from here); every
+# rank a ZeroStrategy launches writes its finished marker there as its last act, named by its rank and process id
+# (see [Note: finished markers] in zero_strategy/lightning/rank_exit.py). A ProcessExitedException is renamed only
+# when the very process that died wrote its marker: a marker of another fit's rank in the same test does not count.
 from helpers.rank_exits import RANK_FINISHED_DIR_ENV, exited_after_finishing  # noqa: E402
 from torch.multiprocessing import ProcessExitedException  # noqa: E402
 

@@ -40,9 +40,7 @@ except ImportError:  # pragma: no cover - Lightning is a dependency; this keeps 
 else:
     from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
     from zero_strategy.lightning.precision import ZeroPrecision
-    from zero_strategy.lightning.precision_selection import install_precision_selection
     from zero_strategy.lightning.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
-    install_precision_selection(ZeroStrategy)
     __all__ += ["ShardedCheckpointIO", "ZeroPrecision", "ZeroStrategy"]

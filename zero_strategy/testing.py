@@ -1,8 +1,12 @@
 """A small public multi-process harness (README: "Testing your own code on several ranks"), used by this
 repository's tests and benchmarks: run a function on N CPU ranks over gloo.
 
-Each rank runs in a forked process with a short process-group timeout; the harness waits at most
-``timeout_s`` and kills every rank if one raises or hangs, re-raising the failing rank's traceback.
+Each rank runs in a forked process with a short process-group timeout and hands its result back through a pipe
+of its own. The harness watches every pipe and every process at once: a rank that raises is reported with its
+traceback, a rank that dies (a signal such as SIGSEGV or SIGKILL, ``os._exit``, a non-zero exit code) is reported
+as a crash naming the rank and how it died as soon as its process ends, whether it had handed its result back or
+not, and ranks that neither finish nor die are reported after ``timeout_s``. Every rank's exit status is checked
+before the results are returned.
 """
 
 from __future__ import annotations
@@ -10,13 +14,17 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import queue
+import signal
 import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -34,59 +42,181 @@ def free_port() -> int:
 
 
 def _rank_entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, pg_timeout_s: float, args: tuple
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, pipe: Connection, pg_timeout_s: float, args: tuple
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
         value = fn(rank, world_size, *args)
-        # Serialized by torch.save: torch's queue pickler would pass tensors as shared-memory handles that
-        # vanish when this process exits.
+        # Serialized by torch.save: pickling tensors for another process would pass them as shared-memory
+        # handles that vanish when this process exits.
         buffer = io.BytesIO()
         torch.save(value, buffer)
-        results.put((rank, "ok", buffer.getvalue()))
+        pipe.send(("ok", buffer.getvalue()))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        pipe.send(("error", traceback.format_exc()))
     finally:
+        pipe.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+class _Report(Enum):
+    """What a rank has handed back through its pipe so far."""
+
+    NOTHING = "nothing"
+    RESULT = "result"
+    ERROR = "error"
+
+
+@dataclass
+class _Rank:
+    """One rank as the parent last saw it: its process, the parent's end of its pipe, what it reported and how
+    it ended. Only :meth:`update` changes what is seen, so one pass of the watch judges one consistent state."""
+
+    index: int
+    process: BaseProcess
+    pipe: Connection
+    report: _Report = _Report.NOTHING
+    payload: Any = None  # the result's torch.save bytes, or the traceback text
+    pipe_open: bool = True
+    exit_code: int | None = None  # None while running; negative: the signal that ended it
+
+    def update(self) -> None:
+        """Take what the rank sent, then note whether it ended (and read again: what it sent just before)."""
+        self._read()
+        if self.exit_code is None and not self.process.is_alive():
+            self.process.join()
+            self.exit_code = self.process.exitcode
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            while self.pipe_open and self.pipe.poll():
+                status, self.payload = self.pipe.recv()
+                self.report = _Report.RESULT if status == "ok" else _Report.ERROR
+        except (EOFError, OSError):  # end of file: the process is gone
+            self.pipe_open = False
+
+    @property
+    def exited(self) -> bool:
+        return self.exit_code is not None
+
+    @property
+    def crashed(self) -> bool:
+        """Ended by a signal or with a non-zero exit status."""
+        return self.exit_code not in (None, 0)
+
+    @property
+    def done(self) -> bool:
+        """Returned its result and exited with status 0."""
+        return self.exit_code == 0 and self.report is _Report.RESULT
+
+    @property
+    def failure(self) -> str | None:
+        """Why this rank failed, or None while it has not (yet)."""
+        code = self.exit_code
+        when = "after returning its result" if self.report is _Report.RESULT else "before returning a result"
+        if code is not None and code < 0:
+            return f"rank {self.index} crashed: killed by signal {_signal_name(-code)} ({when})"
+        if code is not None and code > 0:
+            return f"rank {self.index} crashed: exited with code {code} ({when})"
+        if self.report is _Report.ERROR:
+            return f"rank {self.index} raised:\n{self.payload}"
+        if code == 0 and self.report is _Report.NOTHING:
+            return f"rank {self.index} exited (code 0) without returning a result (os._exit in the function?)"
+        return None
+
+
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, pg_timeout_s: float = 30.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    pg_timeout_s: float = 30.0,
+    survivors_grace_s: float = 0.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    Raises :class:`RankFailed` as soon as a rank raises or dies, or after ``timeout_s`` if ranks are still running.
+    ``survivors_grace_s``: after a failure, wait up to this long for the other ranks to finish or fail too and
+    report them as well (a test of how survivors react to a crashed peer); by default they are stopped at once.
+    """
     ctx = mp.get_context("fork")
-    results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, results, pg_timeout_s, args), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    ranks: list[_Rank] = []
     try:
-        while len(collected) < world_size:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(collected))
-                raise RankFailed(f"rank(s) {missing} did not finish within {timeout_s:.0f} s (hang?)") from None
-            if status == "error":
-                raise RankFailed(f"rank {rank} raised:\n{value}")
-            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        for index in range(world_size):
+            # One pipe per rank, made just before its fork: only that rank holds the writing end, so its death
+            # closes the pipe.
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_rank_entry, args=(fn, index, world_size, port, child_end, pg_timeout_s, args), daemon=True
+            )
+            process.start()
+            child_end.close()
+            ranks.append(_Rank(index, process, parent_end))
+        _watch(ranks, time.monotonic() + timeout_s, timeout_s, survivors_grace_s)
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [collected[rank] for rank in range(world_size)]
+        for rank in ranks:  # every rank has exited on success; on failure the rest are stopped now
+            if rank.process.is_alive():
+                rank.process.kill()
+            rank.process.join()
+            rank.pipe.close()
+    return [torch.load(io.BytesIO(rank.payload), weights_only=False) for rank in ranks]
+
+
+def _watch(ranks: list[_Rank], deadline: float, timeout_s: float, survivors_grace_s: float) -> None:
+    """Wait until every rank returned its result and exited with status 0; raise RankFailed at the first failure
+    (after ``survivors_grace_s`` for the others), or at the deadline."""
+    failed_at = float("inf")  # when the first failure was seen
+    while not all(rank.done for rank in ranks):
+        # crashes first: a peer's death is the likely cause of the errors it provokes in the others
+        failed = sorted((r for r in ranks if r.failure is not None), key=lambda r: not r.crashed)
+        failures = [str(r.failure) for r in failed]
+        if failures:
+            failed_at = min(failed_at, time.monotonic())
+        window = _failure_window(ranks, survivors_grace_s)
+        if failures and (time.monotonic() >= failed_at + window or all(r.exited for r in ranks)):
+            raise RankFailed("\n".join(failures))
+        end = min(deadline, failed_at + window)
+        watched = [r.pipe for r in ranks if r.pipe_open] + [r.process.sentinel for r in ranks if not r.exited]
+        if not watched:  # every pipe closed and every process ended since the checks above: judge them again
+            continue
+        if not wait(watched, timeout=max(0.0, end - time.monotonic())) and time.monotonic() >= deadline:
+            raise RankFailed(_hang_message(ranks, timeout_s) + "".join(f"\n{f}" for f in failures))
+        for rank in ranks:
+            rank.update()
+
+
+_CRASH_ATTRIBUTION_S = 2.0
+"""How long a rank's error waits for a peer's crash to show before it is reported alone: a peer that dies in a
+collective makes the others raise ("connection closed by peer") about when its own death becomes visible, and the
+death, not the error it provoked, is what the report must lead with."""
+
+
+def _failure_window(ranks: list[_Rank], survivors_grace_s: float) -> float:
+    """Seconds from the first failure to the report: at least the attribution window until some rank crashed."""
+    if any(rank.crashed for rank in ranks):
+        return survivors_grace_s
+    return max(survivors_grace_s, _CRASH_ATTRIBUTION_S)
+
+
+def _hang_message(ranks: list[_Rank], timeout_s: float) -> str:
+    running = [r.index for r in ranks if r.report is _Report.NOTHING and not r.exited]
+    lingering = [r.index for r in ranks if r.report is _Report.RESULT and not r.exited]
+    parts = [f"rank(s) {running} did not finish within {timeout_s:.0f} s (hang?)"] if running else []
+    if lingering:
+        parts.append(f"rank(s) {lingering} returned their results but had not exited within {timeout_s:.0f} s")
+    return "; ".join(parts)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def run_in_process(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:

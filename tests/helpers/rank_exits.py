@@ -1,5 +1,6 @@
 """Telling a spawned rank that died after finishing its work from one that died while working
-(see [Note: which rank deaths are retried] in tests/conftest.py)."""
+(see [Note: which rank deaths are retried] in tests/conftest.py and [Note: finished markers] in
+zero_strategy/lightning/rank_exit.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 from torch.multiprocessing import ProcessExitedException
 
-RANK_FINISHED_DIR_ENV = "ZERO_STRATEGY_RANK_FINISHED_DIR"
+from zero_strategy.lightning.rank_exit import RANK_FINISHED_DIR_ENV, finished_marker
+
+__all__ = ["RANK_FINISHED_DIR_ENV", "RankExitedAfterFinishing", "die_by_signal", "exited_after_finishing"]
 
 
 class RankExitedAfterFinishing(RuntimeError):
@@ -15,12 +18,13 @@ class RankExitedAfterFinishing(RuntimeError):
 
 
 def exited_after_finishing(error: ProcessExitedException, marker_dir: Path) -> RankExitedAfterFinishing | None:
-    """The retryable form of ``error`` if the dead rank had written its ``rank<N>.finished`` marker into
-    ``marker_dir``; None if it died while working (a failure, never retried)."""
-    if not (marker_dir / f"rank{error.error_index}.finished").exists():
+    """The retryable form of ``error`` if the process that died (its rank *and* process id) had written its
+    finished marker into ``marker_dir``; None if it died while working (a failure, never retried)."""
+    if not finished_marker(marker_dir, error.error_index, error.error_pid).exists():
         return None
     return RankExitedAfterFinishing(
-        f"rank {error.error_index} finished its work, then died at exit (exit code {error.exit_code})"
+        f"rank {error.error_index} (process {error.error_pid}) finished its work, then died at exit "
+        f"(exit code {error.exit_code})"
     )
 
 
@@ -30,5 +34,5 @@ def die_by_signal(rank: int, marker_dir: str, finish_first: bool) -> None:
     import signal
 
     if finish_first:
-        (Path(marker_dir) / f"rank{rank}.finished").touch()
+        finished_marker(marker_dir, rank, os.getpid()).touch()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -37,7 +37,7 @@ def _single_process_reference() -> dict[str, torch.Tensor]:
     return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)  # compiling in two spawned ranks: 52 s measured in a full-suite run (3x: 155 s)
 def test_compiled_in_configure_model_trains_under_zero3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the spawned ranks inherit it: no compile pool
     pl.seed_everything(SEED, verbose=False)

@@ -7,19 +7,18 @@ is imported only when a chart is asked for (it is not a dependency of the packag
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from zero_strategy.core.plan.topology import Topology
 from zero_strategy.estimate.fit import GPTFamily, Largest, Machine, Peaks, compare_peaks, largest_fitting, parse_family
 from zero_strategy.estimate.memory import CONFIGURATIONS, OPTIMIZER_STATE_BYTES, MemoryEstimate, first_fitting
+from zero_strategy.estimate.model_spec import load_model
 from zero_strategy.estimate.network import estimate_traffic, format_traffic
 
 GiB = 2**30
@@ -47,21 +46,6 @@ def parse_count(text: str) -> int:
     return int(_parse_with(text, _COUNTS, "a parameter count such as 7e9, 7B or 350M"))
 
 
-def load_model(spec: str, kwargs_json: str | None) -> nn.Module:
-    """``package.module:ClassName`` built with no arguments (or the JSON keywords) on the ``meta`` device, so a
-    65B model costs no memory; a class that cannot be built there is built normally."""
-    module_name, _, class_name = spec.partition(":")
-    if not module_name or not class_name:
-        raise SystemExit(f"--model {spec!r}: use package.module:ClassName")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    kwargs = json.loads(kwargs_json) if kwargs_json else {}
-    try:
-        with torch.device("meta"):
-            return cls(**kwargs)
-    except Exception:  # a constructor that reads data (.item(), files) cannot run on meta: build it for real
-        return cls(**kwargs)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zero-estimate",
@@ -70,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--params", type=parse_count, help="parameter count: 7e9, 7B, 350M")
-    what.add_argument("--model", help="package.module:ClassName, constructed with no arguments")
+    what.add_argument("--model", help="package.module:ClassName, constructed with no arguments (or --model-kwargs) "
+                      "on the meta device only: its shapes, never its memory")
     parser.add_argument("--model-kwargs", help='JSON keywords for --model, e.g. \'{"n_layers": 24}\'')
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs in total)")
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")

@@ -28,7 +28,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -54,11 +54,11 @@ from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.lightning.exit_teardown import destroy_process_group_at_exit
 from zero_strategy.lightning.forward_entry import ForwardEntry
 from zero_strategy.lightning.precision import ZeroPrecision
-from zero_strategy.lightning.precision_selection import to_zero_precision
+from zero_strategy.lightning.precision_selection import ZeroPrecisionChoice
 from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.private_tensors import SHARING_START_METHODS, make_module_tensors_private
 from zero_strategy.lightning.profiler import CommunicationProfiler
-from zero_strategy.lightning.rank_exit import report_rank_finished
+from zero_strategy.lightning.rank_exit import FinishMarkingLauncher
 from zero_strategy.lightning.sharded_init import (
     ConstructionRecorder,
     initial_values,
@@ -70,7 +70,8 @@ from zero_strategy.lightning.sharded_model import ModelState, ShardedModel
 from zero_strategy.names import STRATEGY_NAMES
 
 
-class ZeroStrategy(ParallelStrategy):
+# ZeroPrecisionChoice: the precision plugin it runs with (its properties narrow Strategy's types, hence the ignore)
+class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
     """ZeRO sharded data parallelism (stage 1, 2 or 3) for any LightningModule.
 
     ``ZeroStrategy(stage=3)`` or ``Trainer(strategy="zero3")`` after ``import zero_strategy``. Options are the
@@ -127,6 +128,7 @@ class ZeroStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         self._layout: RankLayout | None = None  # nodes, shard and replica groups (see _rank_layout)
         self.deepspeed_import: DeepSpeedImport | None = None  # set by from_deepspeed_config
+        self.take_over_precision_choice()  # built by the strategy registry inside a Trainer: see the method
 
     # ------------------------------------------------------------------------------------------ topology
     @property
@@ -179,7 +181,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            # Lightning's launcher, whose ranks leave a finished marker last (see [Note: finished markers])
+            self._launcher = FinishMarkingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:
@@ -200,19 +203,6 @@ class ZeroStrategy(ParallelStrategy):
         )
         if created_here and _distributed_is_initialized():
             destroy_process_group_at_exit()  # see [Note: destroying the process group at exit]
-
-    # ------------------------------------------------------------------------------------------ precision
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> ZeroPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = ZeroPrecision()
-        assert isinstance(self._precision_plugin, ZeroPrecision)
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning installs torch AMP / HalfPrecision for any strategy it does not know; translate them.
-        self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
 
     # ------------------------------------------------------------------------------------------ optimizers
     @property
@@ -351,7 +341,6 @@ class ZeroStrategy(ParallelStrategy):
             # ("terminate called without an active exception") after its work was done.
             barrier()
             dist.destroy_process_group()
-            report_rank_finished(self.local_rank)
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
