@@ -60,10 +60,7 @@ def _run(script: str) -> dict:
 def test_import_changes_no_torch_or_lightning_attribute_and_no_warning_filter():
     result = _run(_SNAPSHOT)
     assert result["changed"] == []  # e.g. _AcceleratorConnector._check_and_init_precision stays Lightning's
-    # The one filter still added, by zero_strategy/core/transport/collectives.py, is removed by the core
-    # restructuring: then this list must be empty.
-    assert all("FutureWarning" in f and "torch\\\\.distributed" in f for f in result["added_filters"])
-    assert len(result["added_filters"]) <= 1, result["added_filters"]
+    assert result["added_filters"] == []
 
 
 _CHOICES = """
