@@ -53,6 +53,9 @@ class SaveInfo:
     offload: dict[str, Any]
     versions: dict[str, str]
     extra: dict[str, Any] = field(default_factory=dict)  # the manifest's free-form notes
+    key_renames: dict[str, str | None] = field(default_factory=dict)
+    """State-dict keys written under another name (None: left out), as a Lightning ``on_save_checkpoint`` hook
+    edited them (see [Note: the state dict in Lightning's hooks] in lightning/hook_state_dict.py)."""
 
 
 class _NothingToWrite(Exception):
@@ -78,20 +81,34 @@ def _plan_staging(path: Path) -> _Staging:
     return _Staging(checkpoint_id, root, version_dir, fresh)
 
 
-def _manifest_entries(engine: ZeroEngine) -> tuple[list[FlatEntry], list[list[str]]]:
+def _manifest_entries(
+    engine: ZeroEngine, renames: dict[str, str | None]
+) -> tuple[list[FlatEntry], list[list[str]]]:
+    """The FlatParams' entries and the state-dict keys, after ``renames`` (key → new key, None: left out): a
+    parameter is stored under its first key that remains, and left out when none does (its values stay in the
+    shard files, unnamed)."""
+    names = engine.parameter_names()
+    stored: dict[str, str] = {}  # canonical name -> the name the checkpoint gives the parameter
+    keys: list[list[str]] = []
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        new = renames.get(key, key)
+        if new is None:
+            continue
+        if id(value) in names:
+            canonical = stored.setdefault(names[id(value)], new)
+            keys.append([new, "param", canonical])
+        else:
+            keys.append([new, "buffer", new])
     flats: list[FlatEntry] = []
     for key, flat, opt_index in engine.named_flat_params():
         params = [
-            ParamEntry(name=span.name, shape=list(span.shape), offset=span.offset, numel=span.numel, group_index=group)
+            ParamEntry(name=stored[span.name], shape=list(span.shape), offset=span.offset, numel=span.numel,
+                       group_index=group)
             for span, group in zip(flat.layout.spans, flat.param_group_index, strict=True)
+            if span.name in stored
         ]
         dtype = str(flat.shard.dtype).removeprefix("torch.")
         flats.append(FlatEntry(key, dtype, opt_index, flat.shard.numel(), params))
-    names = engine.parameter_names()
-    keys = [
-        [key, "param", names[id(value)]] if id(value) in names else [key, "buffer", key]
-        for key, value in engine.module.state_dict(keep_vars=True).items()
-    ]
     return flats, keys
 
 
@@ -175,14 +192,14 @@ def _publish(
     with_optimizer: bool,
 ) -> None:
     state_path = staging.version_dir / TRAINER_STATE_NAME
-    flats, keys = _manifest_entries(engine)
-    buffer_keys = {key for key, kind, _ in keys if kind == "buffer"}
+    flats, keys = _manifest_entries(engine, info.key_renames)
     # keep_vars: this runs on one rank, so it must not gather (a stage-3 state_dict() would: see
     # [Note: parameters outside forward]); only the buffers are read
+    params = engine.parameter_names()
     buffers = {
-        k: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # get_extra_state() may return plain data
+        new: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # get_extra_state() may return plain data
         for k, v in engine.module.state_dict(keep_vars=True).items()
-        if k in buffer_keys
+        if id(v) not in params and (new := info.key_renames.get(k, k)) is not None
     }
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in engine.optimizers]
     torch.save({**trainer_state, BUFFERS_KEY: buffers, PARAM_GROUPS_KEY: groups}, state_path)

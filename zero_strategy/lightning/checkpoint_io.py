@@ -34,6 +34,7 @@ from zero_strategy.checkpoint.load import check_compatible
 from zero_strategy.checkpoint.module_snapshot import ModuleSnapshot
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo
+from zero_strategy.checkpoint.source import ReadableCheckpoint
 from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
@@ -55,6 +56,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self.checkpoint_format = CheckpointFormat.zero  # ZeroStrategy sets its config's
         # what the spawn launcher loaded into the main process's module after fit: key -> whether it held values
         self.handed_back: dict[str, bool] | None = None
+        self.module: nn.Module | None = None  # the module a checkpoint is opened for (ZeroStrategy sets it)
 
     def attach(self, engine: ZeroEngine | None, precision: str) -> None:
         self._engine = engine
@@ -80,7 +82,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.save_sharded(self.engine, checkpoint, path)
 
     def save_sharded(
-        self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH, with_optimizer: bool = True
+        self, engine: ZeroEngine, checkpoint: dict[str, Any], path: _PATH, with_optimizer: bool = True,
+        renames: dict[str, str | None] | None = None,
     ) -> None:
         """Write ``checkpoint`` (Lightning's dict) as a checkpoint directory in :attr:`checkpoint_format` from
         ``engine``'s shards. Collective. ``with_optimizer=False``: the engine does not hold the Trainer's optimizer
@@ -95,10 +98,12 @@ class ShardedCheckpointIO(CheckpointIO):
                 del trainer_state["optimizer_states"]
                 extra[NO_OPTIMIZER_STATE_KEY] = ("saved after a run without a fit in this process (validate, test "
                                                  "or predict), where it holds no optimizer state")
-        save_checkpoint_as(self.checkpoint_format, engine, path, trainer_state, self.save_info(extra))
+        info = self.save_info(extra, renames)
+        save_checkpoint_as(self.checkpoint_format, engine, path, trainer_state, info)
 
     def save_from_module(
-        self, module: nn.Module, config: ZeroConfig, checkpoint: dict[str, Any], path: _PATH, spawned_fit: bool
+        self, module: nn.Module, config: ZeroConfig, checkpoint: dict[str, Any], path: _PATH, spawned_fit: bool,
+        renames: dict[str, str | None] | None = None,
     ) -> None:
         """A checkpoint of one rank from the module's own weights, no optimizer state (see [Note: saving after fit]
         in sharded_model.py). One writer: the caller makes sure only one rank calls it."""
@@ -113,16 +118,18 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         snapshot = ModuleSnapshot(module, config)
-        info = self.save_info({NO_OPTIMIZER_STATE_KEY: why})
+        info = self.save_info({NO_OPTIMIZER_STATE_KEY: why}, renames)
         save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)  # type: ignore[arg-type]
 
-    def save_info(self, extra: dict[str, Any] | None = None) -> SaveInfo:
+    def save_info(
+        self, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None
+    ) -> SaveInfo:
         versions = {
             "zero_strategy": _library_version(),
             "torch": torch.__version__,
             "lightning": lightning.__version__,
         }
-        return SaveInfo(self._precision, {}, versions, dict(extra or {}))
+        return SaveInfo(self._precision, {}, versions, dict(extra or {}), dict(renames or {}))
 
     @override
     def load_checkpoint(
@@ -155,7 +162,8 @@ class ShardedCheckpointIO(CheckpointIO):
         from zero_strategy.checkpoint.dcp_load import dcp_buffers, module_keys
         from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
 
-        opened = DcpCheckpoint(path, expected=module_keys(self.engine.module))
+        assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
+        opened = DcpCheckpoint(path, expected=module_keys(self.module))
         if not opened.has_trainer_state():
             raise CheckpointError(
                 f"{path} is a DCP checkpoint without Lightning's trainer state (no zero_strategy.trainer_state item, "
@@ -164,10 +172,10 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         state = opened.trainer_state(weights_only)
         if opened.has_optimizer_state and "optimizer_states" not in state:  # Lightning's meta.pt leaves it out
-            state["optimizer_states"] = [{} for _ in self.engine.optimizers]
+            state["optimizer_states"] = [{}]  # each rank reads its own slices: nothing in these
         self.opened = opened
         self.param_groups = []  # read in check(): matching groups needs the engine's
-        self.buffers = dcp_buffers(self.engine.module, opened)
+        self.buffers = dcp_buffers(self.module, opened)
         return state
 
     def optimizer_state_absent(self) -> bool:
@@ -179,10 +187,12 @@ class ShardedCheckpointIO(CheckpointIO):
             return NO_OPTIMIZER_STATE_KEY in info.get("extra", {})
         return False
 
-    def check(self, strict: bool, with_optimizer: bool) -> None:
+    def check(self, view: ReadableCheckpoint, strict: bool, with_optimizer: bool) -> None:
+        """Raise when ``view`` (the opened checkpoint, or it under the names the load hooks asked for) does not fit
+        the sharded model; nothing has changed yet."""
         assert self.opened is not None
         if isinstance(self.opened, ShardedCheckpoint):
-            check_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+            check_compatible(self.engine, view, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
             return
         from zero_strategy.checkpoint.dcp_load import check_dcp_compatible, param_groups_for
 

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -37,7 +37,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.control import barrier
 from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
@@ -49,7 +48,7 @@ from zero_strategy.core.runtime.activation_checkpointing import (
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
-from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
+from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.lightning.exit_teardown import destroy_process_group_at_exit
 from zero_strategy.lightning.forward_entry import ForwardEntry
@@ -71,7 +70,7 @@ from zero_strategy.names import STRATEGY_NAMES
 
 
 # ZeroPrecisionChoice: the precision plugin it runs with (its properties narrow Strategy's types, hence the ignore)
-class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
+class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore[misc]
     """ZeRO sharded data parallelism (stage 1, 2 or 3) for any LightningModule.
 
     ``ZeroStrategy(stage=3)`` or ``Trainer(strategy="zero3")`` after ``import zero_strategy``. Options are the
@@ -236,6 +235,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
             install_preemption_saver(trainer)  # see [Note: preemption saves at a step boundary]
             self.setup_optimizers(trainer)
         self._shard_model()
+        self.apply_pending_load()  # a checkpoint restored before setup loads its weights now (checkpoint_hooks.py)
         self.setup_precision_plugin()
 
     def _shard_model(self) -> None:
@@ -289,10 +289,6 @@ class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
     def on_train_start(self) -> None:
         if self.deepspeed_import is not None and self.lightning_module is not None:
             check_batch(self.deepspeed_import, self.lightning_module.trainer, self.world_size)
-
-    @property
-    def engine(self) -> ZeroEngine:
-        return self._sharded.active
 
     @override
     def model_to_device(self) -> None:
@@ -349,93 +345,6 @@ class ZeroStrategy(ZeroPrecisionChoice, ParallelStrategy):  # type: ignore[misc]
         # Stage 1 communicates only in optimizer_step; stages 2/3 reduce every micro-step by design.
         with nullcontext():
             yield
-
-    # -------------------------------------------------------------------------------------- checkpoints
-    @property  # type: ignore[override]
-    def checkpoint_io(self) -> ShardedCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = ShardedCheckpointIO()
-        assert isinstance(self._checkpoint_io, ShardedCheckpointIO)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        if io is not None and not isinstance(io, ShardedCheckpointIO):
-            raise TypeError(
-                f"ZeroStrategy saves sharded checkpoints and needs ShardedCheckpointIO, got {type(io).__name__}. "
-                "Remove the CheckpointIO plugin; use zero-to-fp32 to get a single-file checkpoint."
-            )
-        if io is not None and hasattr(self, "config"):  # Lightning's connector may hand a new one after __init__
-            io.checkpoint_format = self.config.checkpoint_format
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Weights are loaded straight into the master shards, which exist only after setup() sharded the model.
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty: parameters and buffers are written by each rank into its shard, never gathered (after fit too,
-        see [Note: saving after fit] in sharded_model.py)."""
-        return {}
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Empty: each rank writes its own optimizer-state slices into its shard."""
-        return {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        # Lightning calls this on every rank; every rank writes its shard into the directory rank 0 names.
-        if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
-        path = self.broadcast(filepath)
-        source = self._sharded.save_source(self.optimizers)  # see [Note: saving after fit]
-        if source is not None:
-            engine, with_optimizer = source
-            self.checkpoint_io.save_sharded(engine, checkpoint, path, with_optimizer)
-        else:
-            self._save_from_module(checkpoint, path)
-
-    def _save_from_module(self, checkpoint: dict[str, Any], path: _PATH) -> None:
-        """No engine in this process (see [Note: saving after fit]): the module's own weights, one writer."""
-        module = self.lightning_module
-        assert module is not None
-        self._sharded.check_holds_weights(module, path, self.checkpoint_io.handed_back)
-        if _distributed_is_initialized() and self.global_rank != 0:
-            return  # one writer (the Trainer's barrier follows)
-        spawned_fit = self._start_method != "popen" and not _distributed_is_initialized()
-        self.checkpoint_io.save_from_module(module, self.config, checkpoint, path, spawned_fit)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(checkpoint_path)
-        state = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        module = self.lightning_module
-        assert module is not None
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        absent = self.checkpoint_io.optimizer_state_absent()  # said why: say it again
-        with_optimizer = fitting and ("optimizer_states" in state or absent) and bool(self.optimizers)
-        self.checkpoint_io.check(strict=module.strict_loading, with_optimizer=with_optimizer)
-        return state
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        opened = self.checkpoint_io.opened
-        assert opened is not None, "load_checkpoint() must run first"
-        load_weights(self.engine, opened)
-        assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(self.checkpoint_io.buffers, strict=False)
-        restore_rank_rng(self.engine, opened)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        opened = self.checkpoint_io.opened
-        assert opened is not None, "load_checkpoint() must run first"
-        load_optimizer_state(self.engine, opened, self.checkpoint_io.param_groups)
-        self.checkpoint_io.close()
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
