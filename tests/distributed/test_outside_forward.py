@@ -82,7 +82,7 @@ def outside_worker(rank: int, world: int, collectives: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("collectives", TRANSPORTS)
 def test_parameters_outside_forward_are_gathered_or_refused_never_garbage(collectives: str) -> None:
-    for rank, r in enumerate(run_ranks(outside_worker, 2, collectives, timeout_s=100)):
+    for r in run_ranks(outside_worker, 2, collectives, timeout_s=100):
         assert r["host_shared"] == (collectives == "auto"), "the test must cover both transports"
         ref = r["reference"]
         for what in ("state_dict", "deepcopy"):

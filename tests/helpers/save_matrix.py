@@ -73,8 +73,11 @@ def run(strategy: str, construction: str, out: Path) -> dict[str, str]:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[SaveDuringFit(out)])
     if construction == "init_module":
-        with trainer.init_module(empty_init=True):
-            model = Built(construction)
+        try:
+            with trainer.init_module(empty_init=True):
+                model = Built(construction)
+        except RuntimeError as error:  # refused before any training starts (spawn launchers)
+            return {site: f"{type(error).__name__}: {error}" for site in CALL_SITES}
     else:
         model = Built(construction)
     trainer.fit(model, loader(16, 11))

@@ -36,13 +36,20 @@ class ConstructionRecorder:
     @contextmanager
     def recording_on(self, device: torch.device) -> Generator[None, None, None]:
         """Build on the meta device, recording how (values are replayed unit by unit when the model is sharded)."""
-        if self.recording is not None:
-            raise RuntimeError(
-                "the model is being built on the meta device a second time before it was sharded (both "
-                "Trainer.init_module(empty_init=True) and configure_model?): build it in one of the two."
-            )
         with record_construction(device=device) as recording:
             yield
+        # A model built under Trainer.init_module(empty_init=True) meets configure_model's context too, and
+        # Lightning asks configure_model to return early when the model exists: an empty second recording keeps
+        # the first. Two recordings that both built tensors cannot be replayed as one construction.
+        if self.recording is None or not recording.made_tensors:
+            self.recording = self.recording or recording
+            return
+        if self.recording.made_tensors:
+            raise RuntimeError(
+                "the model was built on the meta device twice before it was sharded (under "
+                "Trainer.init_module(empty_init=True) and again in configure_model): build it in one of the two, "
+                "e.g. return early from configure_model when the model exists."
+            )
         self.recording = recording
 
     def take(self) -> Recording | None:

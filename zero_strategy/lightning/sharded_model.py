@@ -22,7 +22,8 @@ writes in each of its states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from enum import Enum, auto
 
 from torch import nn
@@ -73,6 +74,23 @@ class ShardedModel:
             self.fit_engine = engine
         self.state = ModelState.RELEASED
         return self._full
+
+    @contextmanager
+    def parameters_whole(self) -> Iterator[None]:
+        """SHARDED: the engine gathers every parameter for the block; PLAIN or RELEASED with full parameters: the
+        module holds them whole already. RELEASED with the parameters left sharded raises: they are on the meta
+        device and the engine that held their slices no longer drives the module."""
+        if self.state is ModelState.SHARDED:
+            with self.active.gathered_parameters():
+                yield
+            return
+        if self.left_sharded() is not None:
+            raise RuntimeError(
+                "the module's parameters were left sharded when the run ended (on the meta device, a model built "
+                "sharded at stage 3): read its weights through trainer.save_checkpoint(...) or "
+                "strategy.lightning_module_state_dict(), or pass ZeroStrategy(full_params_after_fit=True) to get "
+                "full parameters back after fit.")
+        yield
 
     def left_sharded(self) -> ZeroEngine | None:
         """RELEASED with the parameters left sharded: the engine whose slices are the module's weights."""

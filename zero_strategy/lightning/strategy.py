@@ -306,6 +306,15 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
             with super().tensor_init_context(empty_init):
                 yield
             return
+        if self._start_method in ("spawn", "forkserver"):
+            # The recording refers to this process's meta storages by address: the copy a spawned worker unpickles
+            # has other storages (and the recorded torch functions do not pickle), so no worker could replay it.
+            raise RuntimeError(
+                f"Trainer.init_module(empty_init=True) with start_method={self._start_method!r}: the model would be "
+                "built on the meta device in this process, and the worker processes cannot replay that construction. "
+                "Build the model in configure_model() (it runs in every worker), or use the plain launcher "
+                "(e.g. strategy='zero3' instead of 'zero3_spawn')."
+            )
         with self._recorder.recording_on(self.root_device), self.precision_plugin.tensor_init_context():
             yield
 
@@ -359,8 +368,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
     def gathered_parameters(self) -> Generator[None, None, None]:
         """Every parameter of the module whole for the duration of the block (stage 3 gathers; a collective every
         rank enters): the way to read parameters outside forward (see [Note: parameters outside forward] in
-        core/flat/access.py)."""
-        with self.engine.gathered_parameters():
+        core/flat/access.py). Before setup and after a run that gave full parameters back, a no-op."""
+        with self._sharded.parameters_whole():
             yield
 
     @override

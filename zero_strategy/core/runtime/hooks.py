@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.runtime.unit import TrainingState, ZeroUnit
 from zero_strategy.core.stage import ZeroStage
@@ -132,15 +133,15 @@ class RuntimeHooks:
             if self.stage.reshards_parameters:
                 for module in self._forward_entries(unit):
                     self._handles.append(
-                        module.register_forward_pre_hook(partial(self._pre_forward, unit), prepend=True)
+                        module.register_forward_pre_hook(OwnedHook(partial(self._pre_forward, unit)), prepend=True)
                     )
-                    self._handles.append(module.register_forward_hook(partial(self._post_forward, unit)))
+                    self._handles.append(module.register_forward_hook(OwnedHook(partial(self._post_forward, unit))))
                 if unit.is_root:  # see [Note: every forward gathers]
                     for module in self._root_users(unit):
                         self._handles.append(module.register_forward_pre_hook(
-                            partial(self._pre_inner_root_forward, unit), prepend=True))
+                            OwnedHook(partial(self._pre_inner_root_forward, unit)), prepend=True))
                         self._handles.append(module.register_forward_hook(
-                            partial(self._post_inner_root_forward, unit)))
+                            OwnedHook(partial(self._post_inner_root_forward, unit))))
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
                     self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
@@ -149,8 +150,10 @@ class RuntimeHooks:
         # The step's own hooks go on the entry point whether or not the root stores parameters (a root whose
         # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
         # root unit's gather, and the post-hook after the root unit's.
-        self._handles.append(self.entry_module.register_forward_pre_hook(self._pre_root_forward, prepend=True))
-        self._handles.append(self.entry_module.register_forward_hook(self._post_root_forward, always_call=True))
+        self._handles.append(
+            self.entry_module.register_forward_pre_hook(OwnedHook(self._pre_root_forward), prepend=True))
+        self._handles.append(
+            self.entry_module.register_forward_hook(OwnedHook(self._post_root_forward), always_call=True))
 
     def _root_users(self, root: ZeroUnit) -> list[nn.Module]:
         """The module itself (when the step enters elsewhere) and every module that holds root-unit parameters
@@ -206,8 +209,11 @@ class RuntimeHooks:
         if not self.stage.reshards_parameters:
             return
         self._order_recorded = True
-        if self.prefetch and self._backward_order_recorded and torch.is_grad_enabled():
-            # the loss and the root's own backward run while the first unit backward needs is gathered
+        backward_follows = torch.is_grad_enabled() and any(
+            isinstance(tensor, Tensor) and tensor.requires_grad for tensor in tree_flatten(output)[0])
+        if self.prefetch and self._backward_order_recorded and backward_follows:
+            # the loss and the root's own backward run while the first unit backward needs is gathered (not after a
+            # step that ran its own backward inside: manual optimization returns no loss to backpropagate)
             first = next((u for u in self.backward_order if not u.is_root), None)
             if first is not None:
                 first.start_unshard()

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam, ParamState
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 
 
 class StateDictGathers:
@@ -31,8 +32,8 @@ class StateDictGathers:
         self._gathered: list[FlatParam] = []
         self._quiet = False
         for sub in module.modules():
-            self._handles.append(sub.register_state_dict_pre_hook(partial(self._before, sub)))
-            self._handles.append(sub.register_state_dict_post_hook(partial(self._after)))  # torch marks the hook
+            self._handles.append(sub.register_state_dict_pre_hook(OwnedHook(partial(self._before, sub))))
+            self._handles.append(sub.register_state_dict_post_hook(OwnedHook(self._after)))  # torch marks the hook
 
     def remove(self) -> None:
         for handle in self._handles:
