@@ -39,6 +39,9 @@ WORLD = 2
 TOLERANCE = 0.001  # the README states "within 0.1 %": byte counts are deterministic, so the bound is exact
 RUNS = [(stage, precision, "none") for precision in ("32-true", "bf16-mixed") for stage in (1, 2, 3)]
 OFFLOAD_RUNS = [(1, "32-true", "cpu"), (3, "bf16-mixed", "cpu")]
+# Stage 3 gathering through the network (collectives="point_to_point", or "auto" with /dev/shm full): each rank
+# holds the units it gathers in its own memory, and reduces without the shared arenas
+NETWORK_RUNS = [(3, "32-true", "none"), (3, "bf16-mixed", "none")]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,11 +75,14 @@ def _offload_split(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict
     }
 
 
-def _train_and_measure(rank: int, world: int, stage: int, precision: str, offload: str) -> dict[str, object]:
+def _train_and_measure(
+    rank: int, world: int, stage: int, precision: str, offload: str, collectives: str = "auto"
+) -> dict[str, object]:
     model = make_model(**MODEL)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plugin = ZeroPrecision(precision)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, offload_optimizer=offload), policy=plugin.policy())
+    config = ZeroConfig(stage=stage, offload_optimizer=offload, collectives=collectives)
+    engine = ZeroEngine(model, [optimizer], config, policy=plugin.policy())
     autocast = torch.autocast("cpu", dtype=plugin.compute_dtype) if precision != "32-true" else nullcontext()
     peak = [0, 0]  # every FlatParam storage; the compute copies alone
 
@@ -102,8 +108,13 @@ def _train_and_measure(rank: int, world: int, stage: int, precision: str, offloa
     return out
 
 
-def _measure_all(rank: int, world: int) -> dict[tuple[int, str, str], dict[str, object]]:
-    return {run: _train_and_measure(rank, world, *run) for run in RUNS + OFFLOAD_RUNS}
+def _measure_all(rank: int, world: int) -> dict[tuple, dict[str, object]]:
+    measured: dict[tuple, dict[str, object]] = {}
+    for run in RUNS + OFFLOAD_RUNS:
+        measured[run] = _train_and_measure(rank, world, *run)
+    for run in NETWORK_RUNS:
+        measured[("network", *run)] = _train_and_measure(rank, world, *run, collectives="point_to_point")
+    return measured
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +123,9 @@ def measured() -> dict[tuple[int, str, str], dict[str, object]]:
     return run_ranks(_measure_all, WORLD, timeout_s=50)[0]
 
 
-def _predict(stage: int, precision: str, offload: str = "none"):
+def _predict(stage: int, precision: str, offload: str = "none", collectives: str = "auto"):
     return estimate_memory(make_model(**MODEL), world_size=WORLD, stage=stage, precision=precision,
-                           offload_optimizer=offload, compute_device="cpu")  # fmt: skip
+                           offload_optimizer=offload, compute_device="cpu", collectives=collectives)  # fmt: skip
 
 
 def comparison_rows(measured: dict) -> list[tuple[str, str, int, int]]:
@@ -133,12 +144,20 @@ def comparison_rows(measured: dict) -> list[tuple[str, str, int, int]]:
             (name, "optimizer state (memory_report)", got["report"][2], e.optimizer_state.total),
             (name, "optimizer state (own walk)", got["optimizer_state"], e.optimizer_state.total),
         ]
+    for run in NETWORK_RUNS:
+        got, e = measured[("network", *run)], _predict(*run, collectives="point_to_point")
+        name = f"zero{run[0]} {run[1]} network"
+        rows += [  # the units whole at the peak: root, the one computing and the prefetched one
+            (name, "parameters+master (peak in fwd/bwd)", got["params_peak"], e.parameters.total + e.master.total),
+            (name, "gradients (after backward)", got["gradients"], e.gradients.total),
+            (name, "optimizer state (own walk)", got["optimizer_state"], e.optimizer_state.total),
+        ]
     return rows
 
 
 def format_rows(rows: list[tuple[str, str, int, int]]) -> str:
-    lines = [f"{'configuration':<18} {'quantity':<42} {'measured':>9} {'predicted':>9} {'ratio':>6}"]
-    lines += [f"{c:<18} {q:<42} {m:>9} {p:>9} {m / p:>6.3f}" for c, q, m, p in rows]
+    lines = [f"{'configuration':<26} {'quantity':<42} {'measured':>9} {'predicted':>9} {'ratio':>6}"]
+    lines += [f"{c:<26} {q:<42} {m:>9} {p:>9} {m / p:>6.3f}" for c, q, m, p in rows]
     return "\n".join(lines)
 
 

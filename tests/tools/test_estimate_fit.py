@@ -158,3 +158,27 @@ def test_cli_reports_peaks_and_the_largest_model(capsys):
         table[flag] = float(row[1])  # set-up bytes on the compute device (here: RAM), GiB
     # built eagerly every rank also holds a whole replica (4Ψ = 3.73 GiB) during set-up
     assert 3.6 < table["--no-meta-init"] - table["--meta-init"] < 3.9
+
+
+@pytest.mark.timeout(30)
+def test_cpu_ranks_see_the_shared_memory_case_and_the_network_fallback(capsys):
+    """On CPU ranks "auto" prefers shared memory, but a full /dev/shm makes the run gather through the network (it
+    warns): the report shows both tables, and --collectives point_to_point only the second. The figures are the
+    estimator's, held to measured bytes per case in tests/tools/test_estimate.py."""
+    from zero_strategy.estimate.cli import main
+
+    def zero3_train_ram(out: str, table: int) -> float:
+        block = out.split("Set-up and training peak")[table]
+        rows = [re.split(r"\s{2,}", line.strip()) for line in block.splitlines()]
+        return float(next(cells for cells in rows if cells[0] == "zero3")[3])
+
+    assert main(["--params", "1B", "--world-size", "2", "--ram", "24GB"]) == 0
+    both = capsys.readouterr().out
+    assert "If /dev/shm lacks room" in both and both.count("Set-up and training peak") == 2
+    shared, network = zero3_train_ram(both, 1), zero3_train_ram(both, 2)
+    assert network > shared  # each rank holds the units it gathers instead of its slice of a shared buffer
+    assert main(["--params", "1B", "--world-size", "2", "--ram", "24GB", "--collectives", "point_to_point"]) == 0
+    only = capsys.readouterr().out
+    assert only.count("Set-up and training peak") == 1 and zero3_train_ram(only, 1) == network
+    assert main(["--params", "1B", "--world-size", "2", "--device-memory", "80GB"]) == 0
+    assert "If /dev/shm lacks room" not in capsys.readouterr().out  # GPUs never gather through shared memory

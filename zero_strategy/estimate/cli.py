@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--root-unit-params", type=parse_count, help="elements of the root unit (embeddings, head)")
     parser.add_argument("--activations", type=parse_bytes, help="activation bytes per rank, if known")
     parser.add_argument("--no-prefetch", action="store_true", help="stage 3 without prefetching the next unit")
+    parser.add_argument("--collectives", choices=("auto", "point_to_point"), default="auto",
+                        help="CPU ranks: 'auto' gathers and reduces through shared memory (and also prints what "
+                             "the network fallback a full /dev/shm causes would need); 'point_to_point' through the "
+                             "network only")
     parser.add_argument("--nodes", type=int, help="nodes: also predict bytes per link and communication time per step")
     parser.add_argument("--intra-gbps", type=float, default=100.0, help="bandwidth inside a node, Gbit/s per rank")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="bandwidth across nodes, Gbit/s per rank")
@@ -92,6 +96,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "root_unit_numel": args.root_unit_params, "prefetch": not args.no_prefetch,
         "activation_bytes": None if args.activations is None else int(args.activations),
         "compute_device": "cpu" if args.ram is not None and args.device_memory is None else "cuda",
+        "collectives": args.collectives,
     }  # fmt: skip
 
 
@@ -138,8 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     host_per_rank = None
     if args.host_memory is not None:
         host_per_rank = args.host_memory / (args.gpus_per_node or min(8, args.world_size))
+    machine = _machine(args) if args.ram or args.device_memory else None
     print(format_report(estimates, args.device_memory, host_per_rank))
-    print("\n" + format_peaks(peaks, _machine(args) if args.ram or args.device_memory else None))
+    print("\n" + format_peaks(peaks, machine))
+    options = _options(args)
+    if options["compute_device"] == "cpu" and args.world_size > 1 and args.collectives == "auto":
+        # Shared memory is what "auto" prefers, not what it gets: with too little room in /dev/shm the run warns
+        # and gathers through the network, each rank then holding the units it gathers itself.
+        options["collectives"] = "point_to_point"
+        fallback = compare_peaks(subject, world_size=args.world_size, meta_init=args.meta_init, **options)
+        print("\nIf /dev/shm lacks room (the run warns, then gathers and reduces through the network), or with "
+              "collectives='point_to_point':\n" + format_peaks(fallback, machine))
     if args.nodes is not None:
         count = float(sum(p.numel() for p in subject.parameters())) if isinstance(subject, nn.Module) else subject
         print(_traffic_report(args, count))

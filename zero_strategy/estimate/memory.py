@@ -214,6 +214,7 @@ class _Setup:
     prefetch: bool
     nvme_chunk_numel: int
     accelerator: bool  # the compute device is not the host (a GPU)
+    network: bool  # collectives="point_to_point": no shared-memory gathers or reductions
 
     @property
     def shared_reductions(self) -> bool:
@@ -221,13 +222,14 @@ class _Setup:
         flattened gradient each, held for the whole run (see [Note: shared-memory reductions]); not stage 3 with
         offload."""
         offloaded = self.offload_optimizer is not OffloadDevice.none or self.offload_param is not OffloadDevice.none
-        return not self.accelerator and self.world_size > 1 and not (self.stage.reshards_parameters and offloaded)
+        one_host_cpus = not self.accelerator and self.world_size > 1 and not self.network
+        return one_host_cpus and not (self.stage.reshards_parameters and offloaded)
 
     @property
     def shared_parameters(self) -> bool:
         """Stage 3 on CPU ranks (assumed on one host) without offload: each unit's parameters once per host in
         shared memory, this rank owning one slice, read in place (see [Note: shared-memory gathers])."""
-        one_host_cpus = not self.accelerator and self.world_size > 1
+        one_host_cpus = not self.accelerator and self.world_size > 1 and not self.network
         return self.stage.reshards_parameters and one_host_cpus and not self.has_placement
 
     @property
@@ -373,6 +375,13 @@ class EstimateOptions:
     reduce_dtype: torch.dtype = torch.float32  # mixed precision only (ZeroPrecision's reduce_dtype)
     nvme_chunk_numel: int = _DEFAULT.nvme_chunk_numel
     compute_device: str = "cuda"  # "cpu": the offloaded slices already are where the compute is (no device copy)
+    # "point_to_point": CPU ranks gather and reduce through the network, as when asked for or when /dev/shm lacks
+    # room under "auto" (see ZeroConfig.collectives); "auto": through shared memory where a run would use it
+    collectives: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.collectives not in ("auto", "point_to_point"):
+            raise ValueError(f"collectives={self.collectives!r}: use 'auto' or 'point_to_point'")
 
 
 def _prepare(model_or_param_count: nn.Module | float, o: EstimateOptions) -> tuple[ModelShape, int | None]:
@@ -413,7 +422,7 @@ def _estimate(
         world_size=world_size, stage=config.zero_stage, reduce_dtype=o.reduce_dtype if mixed else None,
         offload_optimizer=config.offload_optimizer, offload_param=config.offload_param,
         state_bytes=_optimizer_bytes(o.optimizer), prefetch=o.prefetch, nvme_chunk_numel=o.nvme_chunk_numel,
-        accelerator=o.compute_device != "cpu",
+        accelerator=o.compute_device != "cpu", network=o.collectives == "point_to_point",
     )  # fmt: skip
     return MemoryEstimate(
         stage=stage, precision=precision, world_size=world_size, offload_optimizer=config.offload_optimizer.value,

@@ -199,8 +199,8 @@ class CommPlan:
         if self.config.collectives != "auto" or self.group.backend != "gloo" or not self.one_node:
             return  # never preferred here: nothing to say
         message = (f"ZeRO: shared-memory {what} unavailable ({reason}); using point-to-point {what} through the "
-                   "network (each rank then holds the units it gathers in its own memory: see zero-estimate "
-                   "--gathers network).")
+                   "network (each rank then holds the units it gathers in its own memory: `zero-estimate ... "
+                   "--collectives point_to_point` gives the memory per rank).")
         if message not in _warned:
             _warned.add(message)
             warnings.warn(message, stacklevel=4)
