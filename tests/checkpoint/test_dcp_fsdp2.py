@@ -74,7 +74,7 @@ def test_other_tools_layouts(tmp_path, layout):
         state = io_plugin.load_checkpoint(path)
         assert state["global_step"] == SAVE_AT
         assert state["optimizer_states"] == [{}], "meta.pt leaves it out; Lightning restores optimizers only with it"
-        io_plugin.check(strict=True, with_optimizer=True)
+        io_plugin.check(io_plugin.opened, strict=True, with_optimizer=True)
         assert io_plugin.param_groups[0][0]["lr"] == 1e-2 and set(io_plugin.buffers) == set()
         io_plugin.close()
 

@@ -1,7 +1,7 @@
 """torch.compile under ZeRO stages 1/2/3: the same weights as eager ZeRO and as DDP + compile, no graph break
 inside a compiled block, no recompilation after the first step, and one graph break per unit (at most) where a
 whole stage-3 model is compiled around its units' gather hooks, and ``fullgraph=True`` there fails with an error
-that names the fix (see [Note: torch.compile] in core/hooks.py).
+that names the fix (see [Note: torch.compile] in core/runtime/compile_check.py).
 
 One ``run_ranks`` call (2 ranks) trains every configuration in turn, 3 steps each, and the tests read its results.
 Dynamo is reset between configurations, so each one is traced from scratch and its counters are its own.

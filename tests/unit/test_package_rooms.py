@@ -199,9 +199,11 @@ def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
     named = {module: targets - ({"zero_strategy.core.comm.streams"} if module in allowed_streams else set())
              for module, targets in outside.items()}
     assert {module: targets for module, targets in named.items() if targets} == {}
+    # the estimator predicts both outcomes of the option (its own --collectives), it moves no bytes
+    predicts = {"zero_strategy.config", "zero_strategy.estimate.cli", "zero_strategy.estimate.memory"}
     readers = sorted(
         _module_name(path) for path in PACKAGE.rglob("*.py")
-        if re.search(r"\.collectives\b", path.read_text()) and _module_name(path) != "zero_strategy.config"
+        if re.search(r"\.collectives\b", path.read_text()) and _module_name(path) not in predicts
     )
     assert readers == ["zero_strategy.core.comm.plan"], readers
 

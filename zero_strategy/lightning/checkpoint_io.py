@@ -61,6 +61,8 @@ class ShardedCheckpointIO(CheckpointIO):
     def attach(self, engine: ZeroEngine | None, precision: str) -> None:
         self._engine = engine
         self._precision = precision
+        if engine is not None:
+            self.module = engine.module
 
     @property
     def engine(self) -> ZeroEngine:

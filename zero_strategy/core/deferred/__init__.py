@@ -22,9 +22,10 @@ Design ("sharded construction"):
 * `materialize_module` replays into the module itself, keeping Parameter identity and ties.
 """
 
+from zero_strategy.core.deferred.capture import record_construction
 from zero_strategy.core.deferred.ops import DeferredInitError
 from zero_strategy.core.deferred.plan import FinalTensor
-from zero_strategy.core.deferred.record import Recording, record_construction
+from zero_strategy.core.deferred.record import Recording
 from zero_strategy.core.deferred.replay import ReplayPlan, ReplayStats, materialize_module
 
 __all__ = [

@@ -4,7 +4,7 @@
 Ops on meta tensors draw no random numbers, so while a build is recorded a generator moves only when code sets its
 state: `torch.manual_seed`, `torch.set_rng_state`, `torch.random.fork_rng` restoring on exit, Lightning's
 `seed_everything` / `isolate_rng`, `Generator.manual_seed` / `set_state` / `seed`. Each of these ends in a call of
-a `torch.Generator` method, which the recording's profile hook sees returning (record.py), and becomes a step of
+a `torch.Generator` method, which the recording's profile hook sees returning (capture.py), and becomes a step of
 the recording, replayed in order with the ops:
 * a state set from outside the build's draws (a seed, a state captured before the build) is a `SetState` step
   holding the state right after the call;

@@ -1,21 +1,18 @@
-"""Recording: construction runs on the meta device while every op that makes or changes a tensor is written down."""
+"""Recording: the ops of one construction on the meta device, in order, as the replay will run them (what writes
+them down while the model is built is capture.py)."""
 
 from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero_strategy.core.deferred.generators import RESEEDING_METHODS, GeneratorStates, RestoreState
+from zero_strategy.core.deferred.generators import GeneratorStates, RestoreState
 from zero_strategy.core.deferred.ops import (
     DeferredInitError,
     RealRef,
@@ -25,24 +22,6 @@ from zero_strategy.core.deferred.ops import (
     overwrites_destination,
 )
 from zero_strategy.core.deferred.where import module_code_in_frames, rng_remedy
-
-aten = torch.ops.aten
-_META = torch.device("meta")
-_DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray)
-_DATA_DEPENDENT = frozenset({aten._local_scalar_dense, aten.equal, aten.is_nonzero})
-
-# [Note: nn.init functions that skip meta tensors]
-# In torch 2.13, `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once when given a meta
-# tensor (they test `tensor.is_meta`), so op-level recording sees nothing: the values, and the random numbers
-# they consume, would be lost silently. `trunc_normal_` is also rejection sampling now: how many numbers it
-# draws depends on the numbers drawn, which no meta recording can know. These functions are therefore recorded
-# as whole calls (found through a profile hook, so `from torch.nn.init import trunc_normal_` is caught too)
-# and replayed by calling them again on the real tensor. They are found by their code, not by name.
-_BLACK_BOX_CODES: dict[types.CodeType, Callable[..., Any]] = {
-    fn.__code__: fn
-    for fn in vars(torch.nn.init).values()
-    if isinstance(fn, types.FunctionType) and "is_meta" in fn.__code__.co_names
-}
 
 
 class Recording:
@@ -213,142 +192,3 @@ def _generator_step(step: Callable[[], None], where: str) -> RecordedOp:
     """A replay step that sets or captures a generator's state: it writes no tensor, and always runs."""
     nothing: frozenset[int] = frozenset()
     return RecordedOp(step, (), {}, nothing, nothing, nothing, creates=(), random=True, where=where)
-
-
-class _RecordOps(TorchDispatchMode):
-    """Sees every aten op while recording; records those that touch meta tensors."""
-
-    def __init__(self, recording: Recording) -> None:
-        super().__init__()
-        self.recording = recording
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
-        touches_meta = any(isinstance(v, Tensor) and v.is_meta for v in flat_in) or kwargs.get("device") == _META
-        if touches_meta and func.overloadpacket in _DATA_DEPENDENT:
-            raise DeferredInitError(
-                f"{func} reads a tensor's value ({module_code_in_frames(sys._getframe(1))}), but construction on "
-                f"the meta device has no values: initialization must not read tensor values (.item(), .tolist(), "
-                f"bool(tensor), numpy). Build this model eagerly, or move that code to reset_parameters() or a "
-                f"hook that runs after setup."
-            )
-        if not touches_meta and is_random(func) and self.recording._black_box_frame is None:
-            raise DeferredInitError(
-                f"{func} drew random numbers for a real (non-meta) tensor during construction on the meta device "
-                f"({module_code_in_frames(sys._getframe(1))}); replay could not reproduce them. {rng_remedy()}"
-            )
-        out = func(*args, **kwargs)
-        if self.recording._black_box_frame is not None:  # part of a call recorded as a whole
-            return out
-        if touches_meta or any(isinstance(v, Tensor) and v.is_meta for v in tree_flatten(out)[0]):
-            self.recording.record(func, args, kwargs, out)
-        return out
-
-
-# `torch.get_default_device()` answers "cpu" by making `torch.tensor([])` and reading its device. Under the
-# recording that probe would say "meta", and code that stores the answer (a torchmetrics Metric's `device`, used
-# to place tensors after the build) would keep placing them on the meta device: the probe is left alone.
-_DEFAULT_DEVICE_PROBE = next(
-    (
-        code
-        for code in torch.get_default_device.__code__.co_consts
-        if isinstance(code, types.CodeType) and code.co_name == "_get_device_with_index"
-    ),
-    None,
-)
-
-
-class _DefaultToMeta(TorchFunctionMode):
-    """Like `torch.device("meta")`, except that tensors made from data keep their values (a recorded copy)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if sys._getframe(1).f_code is _DEFAULT_DEVICE_PROBE:
-            return func(*args, **kwargs)
-        if func is Tensor.new_tensor and args[0].is_meta and kwargs.get("device") is None:
-            kwargs.setdefault("dtype", args[0].dtype)
-            return torch.tensor(args[1], **kwargs, device="cpu").to(_META)
-        if func in _device_constructors() and kwargs.get("device") is None:
-            holds_meta = any(isinstance(v, Tensor) and v.is_meta for v in tree_flatten((args, kwargs))[0])
-            if func in _DATA_CONSTRUCTORS and not holds_meta:
-                # torch.tensor(data, device="meta") would drop the data without any op to record.
-                return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
-            kwargs["device"] = _META
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def _profile_hook(recording: Recording) -> Iterator[None]:
-    """A profile hook that records what op-level recording cannot see: calls of the functions in
-    `_BLACK_BOX_CODES` made on meta tensors, and generator reseeds (see [Note: reseeds inside the build])."""
-    previous = sys.getprofile()
-
-    def hook(frame: types.FrameType, event: str, arg: Any) -> None:
-        if recording._black_box_frame is None:
-            if event == "call" and frame.f_code in _BLACK_BOX_CODES:
-                _enter_black_box(recording, frame)
-            elif event == "c_return" and isinstance(getattr(arg, "__self__", None), torch.Generator):
-                _generator_method_returned(recording, arg, frame)
-        elif event == "return" and frame is recording._black_box_frame:
-            recording._black_box_frame = None
-        if previous is not None:
-            previous(frame, event, arg)  # type: ignore[arg-type]
-
-    sys.setprofile(hook)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
-
-
-def _enter_black_box(recording: Recording, frame: types.FrameType) -> None:
-    code = frame.f_code
-    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    bound = {name: frame.f_locals[name] for name in names}
-    if any(isinstance(v, Tensor) and v.is_meta for v in bound.values()):
-        recording.record_black_box(_BLACK_BOX_CODES[code], bound, module_code_in_frames(frame.f_back))
-        recording._black_box_frame = frame
-
-
-def _generator_method_returned(recording: Recording, method: Any, frame: types.FrameType) -> None:
-    if method.__name__ in RESEEDING_METHODS:
-        recording.record_set_state(method.__self__, module_code_in_frames(frame))
-    elif method.__name__ == "initial_seed":
-        recording.check_seed_read(method.__self__, module_code_in_frames(frame))
-
-
-@contextmanager
-def record_construction(device: torch.device | str = "cpu") -> Iterator[Recording]:
-    """Build under this context: tensors land on the meta device and the returned recording can replay them.
-
-    `device` is where the values will be replayed; its default generator is the one the build draws from,
-    exactly as an eager build on that device would.
-    """
-    recording = Recording(torch.device(device))
-    try:
-        with _profile_hook(recording), _DefaultToMeta(), _RecordOps(recording):
-            yield recording
-        recording.check_generators("detected when the build finished")
-    except DeferredInitError:
-        raise
-    except (RuntimeError, NotImplementedError, TypeError) as error:
-        if "meta" not in str(error):
-            raise
-        raise DeferredInitError(
-            f"construction on the meta device failed ({module_code_in_frames(_innermost_frame(error))}): "
-            f"{error}. Initialization must not read tensor values (.item(), .tolist(), numpy, copying to the "
-            f"host). Build this model eagerly, or move that code to reset_parameters() or a hook that runs "
-            f"after setup."
-        ) from error
-    finally:
-        recording.generators.finish()
-
-
-def _innermost_frame(error: BaseException) -> types.FrameType | None:
-    traceback = error.__traceback__
-    frame = None
-    while traceback is not None:
-        frame = traceback.tb_frame
-        traceback = traceback.tb_next
-    return frame

@@ -49,21 +49,6 @@ do not gather would wait forever, see [Note: diverging gathers] in gather_watch.
 A ``ModuleList``/``ModuleDict`` made one unit (all experts of a mixture-of-experts layer, so that their gathers
 and reductions are one exchange whichever experts a rank routes to) has no forward of its own: its hooks go on
 its children, so calling any child gathers the whole unit and each child's outputs gather it again for backward.
-
-[Note: torch.compile]
-The hooks are never traced by dynamo (``torch.compiler.disable``); they always run eagerly, between graphs.
-A gather is a collective that resizes and fills a storage in place, which dynamo cannot put in a graph; traced,
-our hooks broke the graph at every collective and at ``in_backward()``, and dynamo guarded on their Python state
-(the recorded orders, a unit's state), so it compiled again each time that state moved over the first steps
-(zero3, three compiled blocks: 21 frames compiled in the first step and 8 more in the next two, against 1 in all
-with the hooks disabled; tests/distributed/test_compile.py). Disabled, they cost nothing where the compiled code
-is a unit's own forward (``block.compile()`` or ``torch.compile(block)``: the hooks sit outside the compiled
-call, one graph serves every identical block), and one graph break per unit called from inside a compiled
-stage-3 forward (``torch.compile(whole_model)``; where the units are called in a loop dynamo gives that frame up
-to eager and compiles each unit's forward on its own; with ``fullgraph=True`` dynamo's error quotes the reason
-given below). The compiled code reads the parameters as graph inputs, which keep their tensor objects, shapes
-and strides while their storage is freed and refilled, so guards hold and nothing recompiles; tensors a compiled
-forward saves for backward are views of the same storage and see the gathered values again, as in eager mode.
 """
 
 from __future__ import annotations
@@ -78,7 +63,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.runtime.owned_hook import OwnedHook
+from zero_strategy.core.runtime.compile_check import not_traced
+from zero_strategy.core.runtime.owned_hook import OwnedHook, ParameterHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.runtime.unit import TrainingState, ZeroUnit
 from zero_strategy.core.stage import ZeroStage
@@ -88,12 +74,6 @@ PREFETCH_DEPTH = 1
 fires just before its first child unit computes), but the 30 M benchmark's step time did not move (1.03x vs 1.04x
 DDP, within noise: on 2 cores the bytes cost CPU whether or not a rank waits for them), so the memory bound wins:
 at most the computing unit and the next one are whole."""
-
-
-_not_traced = torch.compiler.disable(
-    reason="ZeRO gathers or frees a unit's parameters here (a collective that cannot be traced): compile each "
-    "unit's module (block.compile()) instead of a whole stage-3 model with fullgraph=True"
-)
 
 
 def in_backward() -> bool:
@@ -129,24 +109,25 @@ class RuntimeHooks:
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
-        for unit in self.units:
+        for unit_index, unit in enumerate(self.units):
             if self.stage.reshards_parameters:
                 for module in self._forward_entries(unit):
                     self._handles.append(
-                        module.register_forward_pre_hook(OwnedHook(partial(self._pre_forward, unit)), prepend=True)
+                        module.register_forward_pre_hook(OwnedHook(self._pre_forward, unit), prepend=True)
                     )
-                    self._handles.append(module.register_forward_hook(OwnedHook(partial(self._post_forward, unit))))
+                    self._handles.append(module.register_forward_hook(OwnedHook(self._post_forward, unit)))
                 if unit.is_root:  # see [Note: every forward gathers]
                     for module in self._root_users(unit):
                         self._handles.append(module.register_forward_pre_hook(
-                            OwnedHook(partial(self._pre_inner_root_forward, unit)), prepend=True))
+                            OwnedHook(self._pre_inner_root_forward, unit), prepend=True))
                         self._handles.append(module.register_forward_hook(
-                            OwnedHook(partial(self._post_inner_root_forward, unit))))
+                            OwnedHook(self._post_inner_root_forward, unit)))
             if self.stage.reduces_every_microstep:
                 for param in unit.trainable_params:
-                    self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+                    hook = ParameterHook(self._grad_ready_at, unit_index)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
             else:
-                self._install_grad_stash(unit)
+                self._install_grad_stash(unit_index)
         # The step's own hooks go on the entry point whether or not the root stores parameters (a root whose
         # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
         # root unit's gather, and the post-hook after the root unit's.
@@ -176,18 +157,22 @@ class RuntimeHooks:
             return children
         return [unit.module]
 
-    def _install_grad_stash(self, unit: ZeroUnit) -> None:
+    def _install_grad_stash(self, unit_index: int) -> None:
         """Stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they are produced,
         so accumulation over micro-steps happens in fp32, never in bf16/fp16."""
-        for flat in unit.flat_params:
+        for flat_index, flat in enumerate(self.units[unit_index].flat_params):
             if flat.trainable and flat.full.dtype != torch.float32:
                 for index, param in enumerate(flat.params):
-                    hook = partial(self._stash, flat, index)
+                    hook = ParameterHook(self._stash_at, unit_index, flat_index, index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
-    @staticmethod
-    def _stash(flat: FlatParam, index: int, param: Tensor) -> None:
-        flat.grads.stash_grad(index)
+    # A parameter's hooks name their unit by position: they are held where the garbage collector cannot see (see
+    # core/runtime/owned_hook.py), so they must not hold a unit (its buffers) either.
+    def _stash_at(self, unit_index: int, flat_index: int, index: int, param: Tensor) -> None:
+        self.units[unit_index].flat_params[flat_index].grads.stash_grad(index)
+
+    def _grad_ready_at(self, unit_index: int, param: Tensor) -> None:
+        self._on_grad_ready(self.units[unit_index], param)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -195,13 +180,13 @@ class RuntimeHooks:
         self._handles.clear()
 
     # --------------------------------------------------------------------------------------------- forward
-    @_not_traced  # see [Note: torch.compile]
+    @not_traced  # see [Note: torch.compile] in compile_check.py
     def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self._entry_depth += 1
             self.on_root_forward()
 
-    @_not_traced  # see [Note: torch.compile]
+    @not_traced  # see [Note: torch.compile] in compile_check.py
     def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
@@ -218,7 +203,7 @@ class RuntimeHooks:
             if first is not None:
                 first.start_unshard()
 
-    @_not_traced  # see [Note: torch.compile]
+    @not_traced  # see [Note: torch.compile] in compile_check.py
     def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
         if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
             unit.unshard()
@@ -231,7 +216,7 @@ class RuntimeHooks:
         elif self.prefetch:
             self._prefetch(self.forward_order, unit, step=1)
 
-    @_not_traced  # see [Note: torch.compile]
+    @not_traced  # see [Note: torch.compile] in compile_check.py
     def _post_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
@@ -256,20 +241,31 @@ class RuntimeHooks:
     # module holding root parameters gather the root before they compute. Their outputs bring it back for their
     # backward; inside the entry's forward they never release it (the step may use the root's parameters after
     # they return); outside it, a forward without gradients releases it when it returns (nothing else would).
-    @_not_traced  # see [Note: torch.compile]
+    # Inside the entry's forward the root is usually whole already (a second forward after a backward in the same
+    # step is the exception) and then stays so until the end of backward: there these hooks only read the depth
+    # and the root's state, which dynamo traces, so a whole compiled model does not break its graph at every
+    # module that holds root parameters.
     def _pre_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
+        if self._entry_depth == 0 or not unit.whole:
+            self._gather_root_outside_entry(unit)
+
+    def _post_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entry_depth == 0:
+            self._after_root_use_outside_entry(unit, output)
+
+    @not_traced  # see [Note: torch.compile] in compile_check.py
+    def _gather_root_outside_entry(self, unit: ZeroUnit) -> None:
         unit.unshard()
         if not in_backward():
             unit.state = TrainingState.FORWARD
 
-    @_not_traced  # see [Note: torch.compile]
-    def _post_inner_root_forward(self, unit: ZeroUnit, module: nn.Module, args: Any, output: Any) -> None:
+    @not_traced  # see [Note: torch.compile] in compile_check.py
+    def _after_root_use_outside_entry(self, unit: ZeroUnit, output: Any) -> None:
         if in_backward():
             return
         if not torch.is_grad_enabled():
-            if self._entry_depth == 0:
-                unit.reshard()
-                unit.state = TrainingState.IDLE
+            unit.reshard()
+            unit.state = TrainingState.IDLE
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, Tensor) and tensor.requires_grad:
@@ -286,7 +282,7 @@ class RuntimeHooks:
                 order[index + distance * step].start_unshard()
 
     # -------------------------------------------------------------------------------------------- backward
-    @_not_traced  # see [Note: torch.compile]
+    @not_traced  # see [Note: torch.compile] in compile_check.py
     def _pre_backward(self, unit: ZeroUnit, grad: Tensor) -> None:
         self._queue_final_callback()
         if unit.state is TrainingState.BACKWARD:

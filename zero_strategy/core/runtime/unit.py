@@ -7,7 +7,7 @@ from enum import Enum, auto
 
 from torch import nn
 
-from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.flat_param import FlatParam, ParamState
 
 
 class TrainingState(Enum):
@@ -39,6 +39,11 @@ class ZeroUnit:
     def optimizer_index(self) -> list[int | None]:
         """Parallel to ``flat_params``: the optimizer that steps each (None: none)."""
         return [flat.spec.optimizer_index for flat in self.flat_params]
+
+    @property
+    def whole(self) -> bool:
+        """Every FlatParam of the unit holds its full values now."""
+        return all(flat.state is ParamState.UNSHARDED for flat in self.flat_params)
 
     def start_unshard(self) -> None:
         for flat in self.flat_params:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from types import MethodType
 from typing import Any
 
 import torch
@@ -111,36 +110,37 @@ def carve_state(param_state: dict[str, Any], param: Tensor, start: int, count: i
 # into a copy: ``Optimizer.__getstate__`` keeps only defaults/state/param_groups, so pickle and deepcopy drop the
 # attribute. release() removes it. (Lightning's wrapper subclasses the optimizer's class, so it would find the
 # class's method first: the Lightning adapter makes its wrappers call the optimizer's own zero_grad.)
-_ZERO_GRAD_CALLBACKS: weakref.WeakKeyDictionary[Optimizer, Callable[[], None]] = weakref.WeakKeyDictionary()
+# The callback lives in that attribute, not in a module-level table keyed by optimizer: the callback reaches the
+# optimizer again (through the engine), so such a table would keep every optimizer and engine alive for good.
+class _NotifyingZeroGrad:
+    """The instance attribute ``zero_grad``: the class's method, then the engine's callback."""
 
+    def __init__(self, optimizer: Optimizer, callback: Callable[[], None]) -> None:
+        self._optimizer = weakref.ref(optimizer)  # the optimizer holds this attribute: no cycle through it
+        self.callback = callback
 
-def _zero_grad_then_notify(optimizer: Optimizer, set_to_none: bool = True) -> None:
-    type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
-    callback = _ZERO_GRAD_CALLBACKS.get(optimizer)
-    if callback is not None:  # None once the engine released the optimizer: a plain zero_grad
-        callback()
-
-
-def _installed_zero_grad(optimizer: Optimizer) -> bool:
-    attribute = vars(optimizer).get("zero_grad")
-    return isinstance(attribute, MethodType) and attribute.__func__ is _zero_grad_then_notify
+    def __call__(self, set_to_none: bool = True) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
+        self.callback()
 
 
 def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -> None:
     """After ``optimizer.zero_grad()``, also run ``callback``. Idempotent (a second call replaces the callback)."""
-    if "zero_grad" in vars(optimizer) and not _installed_zero_grad(optimizer):
+    installed = vars(optimizer).get("zero_grad")
+    if installed is not None and not isinstance(installed, _NotifyingZeroGrad):
         raise ValueError(
             f"{qualified_name(optimizer)} already has an instance attribute 'zero_grad' (set by other code); ZeRO "
             "needs to extend zero_grad to clear the gradients it keeps on the module. Remove that attribute."
         )
-    _ZERO_GRAD_CALLBACKS[optimizer] = callback
-    optimizer.zero_grad = MethodType(_zero_grad_then_notify, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = _NotifyingZeroGrad(optimizer, callback)  # type: ignore[method-assign]
 
 
 def remove_zero_grad_hook(optimizer: Optimizer) -> None:
     """Undo :func:`install_zero_grad_hook`. Idempotent."""
-    _ZERO_GRAD_CALLBACKS.pop(optimizer, None)
-    if _installed_zero_grad(optimizer):
+    if isinstance(vars(optimizer).get("zero_grad"), _NotifyingZeroGrad):
         del optimizer.zero_grad
 
 

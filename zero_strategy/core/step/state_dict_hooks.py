@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -32,7 +31,7 @@ class StateDictGathers:
         self._gathered: list[FlatParam] = []
         self._quiet = False
         for sub in module.modules():
-            self._handles.append(sub.register_state_dict_pre_hook(OwnedHook(partial(self._before, sub))))
+            self._handles.append(sub.register_state_dict_pre_hook(OwnedHook(self._before, sub)))
             self._handles.append(sub.register_state_dict_post_hook(OwnedHook(self._after)))  # torch marks the hook
 
     def remove(self) -> None:
