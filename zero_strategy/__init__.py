@@ -12,6 +12,7 @@ check_torch()  # before anything else: an old torch fails here with a message na
 from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
 from zero_strategy.checkpoint.pretrained import load_pretrained  # noqa: E402
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
+from zero_strategy.core.flat.access import ShardedParameterError  # noqa: E402
 from zero_strategy.core.flat.in_place_watch import InPlaceChangeWarning  # noqa: E402
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
 from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
@@ -24,6 +25,7 @@ __all__ = [
     "InPlaceChangeWarning",
     "MemoryReport",
     "OffloadDevice",
+    "ShardedParameterError",
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroEngine",
