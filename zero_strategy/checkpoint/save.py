@@ -80,13 +80,13 @@ def _plan_staging(path: Path) -> _Staging:
 
 def _manifest_entries(engine: ZeroEngine) -> tuple[list[FlatEntry], list[list[str]]]:
     flats: list[FlatEntry] = []
-    for key, flat, opt_index in engine.named_flat_params():
+    for key, flat, optimizers in engine.named_flat_params():
         params = [
-            ParamEntry(name=span.name, shape=list(span.shape), offset=span.offset, numel=span.numel, group_index=group)
-            for span, group in zip(flat.layout.spans, flat.param_group_index, strict=True)
+            ParamEntry(span.name, list(span.shape), span.offset, span.numel, groups=list(groups))
+            for span, groups in zip(flat.layout.spans, flat.param_groups, strict=True)
         ]
         dtype = str(flat.shard.dtype).removeprefix("torch.")
-        flats.append(FlatEntry(key, dtype, opt_index, flat.shard.numel(), params))
+        flats.append(FlatEntry(key, dtype, list(optimizers), flat.shard.numel(), params))
     names = engine.parameter_names()
     keys = [
         [key, "param", names[id(value)]] if id(value) in names else [key, "buffer", key]
