@@ -118,11 +118,11 @@ Step = Callable[[Optimizer], None]
 
 
 def train(pattern: str, model: nn.Module, optimizers: list[Optimizer], data: list[tuple[Tensor, Tensor]],
-          step: Step, part: Callable[[Tensor], Tensor]) -> None:
-    """Run ``pattern``; ``step(opt)`` steps (ZeRO: ``engine.optimizer_step``), ``part`` cuts a global batch to this
-    rank's share (the reference: the whole batch)."""
+          step: Step, part: Callable[[Tensor], Tensor], steps: range = range(STEPS)) -> None:
+    """Run ``pattern`` for ``steps``; ``step(opt)`` steps (ZeRO: ``engine.optimizer_step``), ``part`` cuts a global
+    batch to this rank's share (the reference: the whole batch)."""
     first, second = optimizers
-    for index in range(STEPS):
+    for index in steps:
         (x0, y0), (x1, y1) = data[2 * index], data[2 * index + 1]
         if pattern == "alternate":
             _mse(model, part(x0), part(y0)).backward()
@@ -165,12 +165,26 @@ def _gan_step(gan: nn.Module, opt_g: Optimizer, opt_d: Optimizer, batch: tuple[T
     opt_d.zero_grad()
 
 
-def reference(pattern: str, initial: dict[str, Tensor]) -> dict[str, Tensor]:
+def reference(pattern: str, initial: dict[str, Tensor], steps: range = range(STEPS)) -> dict[str, Tensor]:
     """One process, the whole global batch (plain torch steps)."""
+    return reference_run(pattern, initial, steps)[0]
+
+
+def reference_run(
+    pattern: str, initial: dict[str, Tensor], steps: range = range(STEPS)
+) -> tuple[dict[str, Tensor], dict[tuple[int, str, str], Tensor | float]]:
+    """The reference's final state and its optimizers' states as ``{(optimizer, parameter, state name): value}``."""
     model, optimizers = make(PATTERNS[pattern])
     model.load_state_dict(initial)
-    train(pattern, model, optimizers, batches(PATTERNS[pattern]), lambda opt: opt.step(), lambda t: t)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train(pattern, model, optimizers, batches(PATTERNS[pattern]), lambda opt: opt.step(), lambda t: t, steps)
+    names = {id(p): n for n, p in model.named_parameters()}
+    states: dict[tuple[int, str, str], Tensor | float] = {}
+    for index, optimizer in enumerate(optimizers):
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                scalar = not isinstance(value, Tensor) or value.dim() == 0
+                states[(index, names[id(param)], key)] = float(value) if scalar else value.detach().reshape(-1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, states
 
 
 def rank_part(rank: int, world_size: int) -> Callable[[Tensor], Tensor]:
