@@ -14,6 +14,7 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.flat.grads import GradientScaleError
 from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.step.window import StepOrderError
 from zero_strategy.testing import RankFailed, run_in_process, run_ranks
 
 CONFIGS = [(1, "auto"), (2, "auto"), (3, "auto")]
@@ -190,3 +191,15 @@ def test_fp16_unscaling_happens_once_per_gradient(stage: int) -> None:
     with pytest.raises(RankFailed, match="reduced again after they had been unscaled") as info:
         run_in_process(_scaled_steps, 2, stage, True)
     assert isinstance(info.value.__cause__, GradientScaleError)
+
+
+def test_zero_grad_of_one_optimizer_inside_the_others_step_is_refused() -> None:
+    """Clearing the gradient another optimizer is stepping with (a zero_grad() inside its window) is an error that
+    says so, instead of a step with half its gradients."""
+    model, (first, second) = make("net")
+    engine = ZeroEngine(model, [first, second], ZeroConfig(stage=2))
+    nn.functional.mse_loss(model(torch.randn(4, 5)), torch.randn(4, 3)).backward()
+    with pytest.raises(StepOrderError, match=r"zero_grad\(\) of optimizer 1 .* optimizer 0 is stepping"):
+        with engine.step_window(first):
+            second.zero_grad()
+    engine.release()
