@@ -17,6 +17,7 @@ from zero_strategy.core.flat.in_place_watch import InPlaceChangeWarning  # noqa:
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
 from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
 from zero_strategy.core.step.memory import MemoryReport  # noqa: E402
+from zero_strategy.gradients import grad_norm  # noqa: E402
 from zero_strategy.version import library_version  # noqa: E402
 
 __version__ = library_version()
@@ -32,6 +33,7 @@ __all__ = [
     "ZeroStage",
     "__version__",
     "consolidate",
+    "grad_norm",
     "load_pretrained",
 ]
 

@@ -71,7 +71,7 @@ def _pieces(with_grads: bool) -> list[nn.Parameter]:
     [
         lambda pieces, c: gradients.global_grad_norm(pieces, c, 2.0),
         lambda pieces, c: gradients.global_grad_norm(pieces, c, float("inf")),
-        lambda pieces, c: gradients.unscale_and_find_overflow(pieces, c, 0.5),
+        lambda pieces, c: gradients.find_overflow(pieces, c),
     ],
     ids=["norm_l2", "norm_inf", "overflow"],
 )

@@ -13,6 +13,10 @@ The state dict handed to ``torch.distributed.checkpoint.save`` is the one FSDP2 
     optim.state.<fqn>.step                       0-d tensors (and any other scalar state), per parameter
     optim.param_groups.<i>.<hyper-parameter>     each param group of every optimizer, in optimizer order, with
     optim.param_groups.<i>.params                the fqns of its parameters (torch maps groups by these)
+    optim_<k>.state.<fqn>.<name>,                instead of optim.*, when some parameter is stepped by several
+    optim_<k>.param_groups.<i>.*                 optimizers (torch's merged layout holds one state per fqn):
+                                                 optimizer k's own state dict, as
+                                                 get_optimizer_state_dict(model, optimizer_k) gives it
     zero_strategy.trainer_state                  bytes: torch.save of Lightning's trainer state (loops, callbacks,
                                                  schedulers, precision state) without state_dict and optimizer
                                                  state; load with torch.load(io.BytesIO(...), weights_only=True)
@@ -102,13 +106,38 @@ def info_json(
 
 def param_group_entries(
     hyper_parameters: list[list[dict[str, Any]]], members: dict[tuple[int, int], list[str]]
-) -> list[dict[str, Any]]:
-    """``optim.param_groups``: every optimizer's groups in order, each its hyper-parameters (``params`` excluded)
-    plus ``params``, the fqns ``members[(optimizer, group)]``."""
-    groups: list[dict[str, Any]] = []
+) -> list[list[dict[str, Any]]]:
+    """Per optimizer, its param groups in order, each its hyper-parameters (``params`` excluded) plus ``params``,
+    the fqns ``members[(optimizer, group)]``."""
+    optimizers: list[list[dict[str, Any]]] = []
     for optimizer_index, optimizer_groups in enumerate(hyper_parameters):
+        groups = []
         for group_index, group in enumerate(optimizer_groups):
             entry = {key: value for key, value in group.items() if key != PARAMS}
             entry[PARAMS] = list(members.get((optimizer_index, group_index), []))
             groups.append(entry)
-    return groups
+        optimizers.append(groups)
+    return optimizers
+
+
+def optimizer_content(
+    states: list[dict[str, dict[str, Any]]], groups: list[list[dict[str, Any]]] | None, shared: bool
+) -> dict[str, Any]:
+    """The optimizers' part of the state dict (see [Note: DCP key layout]): ``states[i]`` is optimizer ``i``'s
+    state by parameter fqn, ``groups[i]`` its param groups (None: another rank writes them). ``shared``: some
+    parameter is stepped by several optimizers, which torch's merged layout cannot hold (one state per fqn)."""
+    if not shared:
+        merged: dict[str, dict[str, Any]] = {}
+        for state in states:
+            merged.update(state)
+        part: dict[str, Any] = {STATE: merged}
+        if groups is not None:
+            part[PARAM_GROUPS] = [group for optimizer_groups in groups for group in optimizer_groups]
+        return {OPTIM: part}
+    content: dict[str, Any] = {}
+    for index, state in enumerate(states):
+        own: dict[str, Any] = {STATE: state}
+        if groups is not None:
+            own[PARAM_GROUPS] = groups[index]
+        content[f"{OPTIM}_{index}"] = own
+    return content

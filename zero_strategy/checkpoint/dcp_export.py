@@ -20,14 +20,12 @@ import torch.distributed.checkpoint as dcp
 from zero_strategy.checkpoint.dcp_content import (
     INFO,
     MODEL,
-    OPTIM,
     OURS,
-    PARAM_GROUPS,
     RNG,
-    STATE,
     TRAINER_STATE,
     add_range,
     info_json,
+    optimizer_content,
     param_group_entries,
     rng_record,
     to_bytes,
@@ -81,7 +79,9 @@ def checkpoint_state_dict(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]
             model[key] = trainer_state[BUFFERS_KEY][key]
     content: dict[str, Any] = {MODEL: model}
     if manifest.has_optimizer_state:
-        content[OPTIM] = {STATE: _optimizer_states(ckpt), PARAM_GROUPS: _param_groups(ckpt, trainer_state)}
+        shared = any(len(flat.optimizers) > 1 for flat in manifest.flat_params)
+        states = [_optimizer_states(ckpt, index) for index in range(len(manifest.optimizers))]
+        content.update(optimizer_content(states, _param_groups(ckpt, trainer_state), shared))
     rng = {str(rank): rng_record(*ckpt.rng_state(rank)) for rank in range(manifest.world_size)}  # type: ignore[misc]
     own_state = {k: v for k, v in trainer_state.items() if k not in (BUFFERS_KEY, PARAM_GROUPS_KEY)}
     info = info_json(
@@ -91,18 +91,18 @@ def checkpoint_state_dict(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]
     return content
 
 
-def _param_tensor(ckpt: ShardedCheckpoint, name: str, tensor_of: str) -> ChunkedTensor:
-    """Parameter ``name``'s weights (``"flat"``) or one optimizer state (``"optim:<name>"``) as the boxes of each
-    rank's slice of it: the chunks follow the shards that wrote the checkpoint."""
+def _param_tensor(ckpt: ShardedCheckpoint, name: str, tensor_of: str, optimizer: int | None = None) -> ChunkedTensor:
+    """Parameter ``name``'s weights (``"flat"``) or one optimizer state (``"optim:<name>"``, of optimizer
+    ``optimizer``) as the boxes of each rank's slice of it: the chunks follow the shards that wrote the checkpoint."""
     flat, param = ckpt.params[name]
-    dtype = ckpt.read_param(name, tensor_of, 0, 0).dtype  # an empty read: the stored dtype, nothing loaded
+    dtype = ckpt.read_param(name, tensor_of, 0, 0, optimizer).dtype  # an empty read: the stored dtype, nothing loaded
     tensor = ChunkedTensor(tuple(param.shape), dtype)
     for rank in range(ckpt.manifest.world_size):
         start, end = _rank_part(flat, param, rank)
         if end > start:
 
             def read(first: int, count: int, name: str = name) -> torch.Tensor:
-                return ckpt.read_param(name, tensor_of, first, count)
+                return ckpt.read_param(name, tensor_of, first, count, optimizer)
 
             add_range(tensor, start, end - start, read)
     return tensor
@@ -116,32 +116,28 @@ def _rank_part(flat: FlatEntry, param: ParamEntry, rank: int) -> tuple[int, int]
     return start - param.offset, max(start, end) - param.offset
 
 
-def _optimizer_states(ckpt: ShardedCheckpoint) -> dict[str, dict[str, Any]]:
-    """``optim.state``: per parameter, its per-element state as boxes and its scalar state (``step``), for every
-    optimized parameter whose piece was stepped (a piece never stepped has no state, as in torch)."""
+def _optimizer_states(ckpt: ShardedCheckpoint, optimizer: int) -> dict[str, dict[str, Any]]:
+    """Optimizer ``optimizer``'s state by parameter: its per-element state as boxes and its scalar state (``step``),
+    for every parameter it steps whose piece was stepped (a piece never stepped has no state, as in torch)."""
     states: dict[str, dict[str, Any]] = {}
     for flat in ckpt.manifest.flat_params:
-        if flat.optimizer_index is None:
+        if optimizer not in flat.optimizers:
             continue
-        names = ckpt.state_names(flat)
+        names = ckpt.state_names(flat, optimizer)
         for param in flat.params:
-            if param.group_index is None:
-                continue
-            scalars = ckpt.scalar_state_at(flat, param.offset)
+            scalars = ckpt.scalar_state_at(flat, param.offset, optimizer)
             if not scalars and not names:
                 continue
-            state: dict[str, Any] = {n: _param_tensor(ckpt, param.name, f"optim:{n}") for n in names}
+            state: dict[str, Any] = {n: _param_tensor(ckpt, param.name, f"optim:{n}", optimizer) for n in names}
             state.update({n: scalar_value(record, _CPU) for n, record in scalars.items()})
             states[param.name] = state
     return states
 
 
-def _param_groups(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]) -> list[dict[str, Any]]:
+def _param_groups(ckpt: ShardedCheckpoint, trainer_state: dict[str, Any]) -> list[list[dict[str, Any]]]:
     members: dict[tuple[int, int], list[str]] = {}
     for flat in ckpt.manifest.flat_params:
-        if flat.optimizer_index is None:
-            continue
         for param in flat.params:
-            if param.group_index is not None:
-                members.setdefault((flat.optimizer_index, param.group_index), []).append(param.name)
+            for optimizer, group in flat.group_of(param).items():
+                members.setdefault((optimizer, group), []).append(param.name)
     return param_group_entries(trainer_state.get(PARAM_GROUPS_KEY, []), members)

@@ -13,12 +13,15 @@ When the module's own keys are known (resuming), the prefix that matches most of
 keys start with ``model.`` is not mistaken. An optimizer state dict (torch's ``get_optimizer_state_dict``, nested
 or flattened) was saved under a root ``Q`` (``optim.``, ``optimizer.``, ``optimizer_0.`` …, or none) and is
 recognised by its keys ``Q + "param_groups." …``; its per-parameter state is ``Q + "state.<fqn>.<name>"``, where
-``<name>`` has no dot (``exp_avg``, ``step``), so the fqn is everything between. Lightning saves one root per
-optimizer, so each parameter's state is looked up under every root.
+``<name>`` has no dot (``exp_avg``, ``step``), so the fqn is everything between. A root that ends in a number
+(``optimizer_1.``: Lightning saves one root per optimizer; ``optim_1.``: ours, when several optimizers step one
+parameter) holds that optimizer's state only; a root without one (``optim.``: every optimizer merged, as torch's
+``get_optimizer_state_dict`` writes them) serves every optimizer.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +37,7 @@ class OptimizerKeys:
     """One optimizer state dict inside a DCP checkpoint."""
 
     root: str  # "optim." / "optimizer_0." / ""
+    serves: int | None  # the optimizer whose state it holds (its number), None: every optimizer (merged)
     state: dict[str, dict[str, str]]  # parameter fqn -> {state name: stored key}
     nested_groups: dict[int, dict[str, str]]  # group index -> {hyper-parameter (and "params"): stored key}
     flat_groups: dict[str, dict[str, str]]  # torchtitan's flattened layout: fqn -> {hyper-parameter: stored key}
@@ -101,7 +105,8 @@ def _optimizer_keys(entries: Collection[str], root: str) -> OptimizerKeys:
                 nested.setdefault(int(owner), {})[name] = key
             else:
                 flat.setdefault(owner, {})[name] = key
-    return OptimizerKeys(root, state, nested, flat)
+    numbered = re.search(r"(\d+)\.$", root)
+    return OptimizerKeys(root, int(numbered.group(1)) if numbered else None, state, nested, flat)
 
 
 def _all_keys(keys: OptimizerKeys) -> list[str]:

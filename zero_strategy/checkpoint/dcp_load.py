@@ -61,16 +61,16 @@ def check_dcp_compatible(engine: ZeroEngine, ckpt: DcpCheckpoint, strict: bool, 
 
 def param_groups_for(engine: ZeroEngine, ckpt: DcpCheckpoint) -> list[list[dict[str, Any]]]:
     """Each of the engine's param groups' hyper-parameters (learning rates moved by schedulers), from the stored
-    group that holds its parameters (torch matches groups by parameter names too, not by position)."""
-    stored = ckpt.param_groups()
-    group_of = {fqn: hyper for hyper, fqns in stored for fqn in fqns}
+    group of the same optimizer that holds its parameters (torch matches groups by parameter names too, not by
+    position)."""
     members: dict[tuple[int, int], list[str]] = {}
-    for _, flat, opt_index in engine.named_flat_params():
-        for name, group in zip(flat.names, flat.param_group_index, strict=True):
-            if opt_index is not None and group is not None:
+    for _, flat, optimizers in engine.named_flat_params():
+        for opt_index in optimizers:
+            for name, group in zip(flat.names, flat.param_group_in(opt_index), strict=True):
                 members.setdefault((opt_index, group), []).append(name)
     result: list[list[dict[str, Any]]] = []
     for opt_index, optimizer in enumerate(engine.optimizers):
+        group_of = {fqn: hyper for hyper, fqns in ckpt.param_groups(opt_index) for fqn in fqns}
         groups = []
         for group_index in range(len(optimizer.param_groups)):
             names = members.get((opt_index, group_index), [])

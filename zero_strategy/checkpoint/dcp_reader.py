@@ -91,8 +91,7 @@ class DcpCheckpoint:
         self.params: dict[str, tuple[FlatEntry, ParamEntry]] = {
             name: _entry(name, self._tensor_md(key)) for name, key in self.keys.model.items()
         }
-        self._state: dict[str, dict[str, str]] = self._state_keys()
-        self._cached_groups: list[tuple[dict[str, Any], list[str]]] | None = None
+        self._cached_groups: dict[int | None, list[tuple[dict[str, Any], list[str]]]] = {}
 
     def _check_files(self) -> None:
         needed: dict[str, int] = {}
@@ -113,26 +112,37 @@ class DcpCheckpoint:
         assert isinstance(md, TensorStorageMetadata)
         return md
 
-    def _state_keys(self) -> dict[str, dict[str, str]]:
-        found: dict[str, dict[str, str]] = {}
-        for optimizer in self.keys.optimizers:
-            for fqn, names in optimizer.state.items():
-                if fqn in found:
-                    raise CheckpointError(f"{self.path}: parameter {fqn!r} has optimizer state under two roots")
-                found[fqn] = names
-        return found
+    def _state_of(self, name: str, optimizer: int | None) -> dict[str, str]:
+        """{state name: stored key} of parameter ``name``'s state in optimizer ``optimizer`` (None: whichever
+        optimizer holds it), from the one root that serves that optimizer and holds it (see [Note: reading other
+        tools' DCP layouts] in dcp_keys.py); empty when there is none."""
+        roots = [keys for keys in self.keys.optimizers if name in keys.state]
+        if optimizer is not None:
+            own = [keys for keys in roots if keys.serves == optimizer]
+            roots = own or [keys for keys in roots if keys.serves is None]
+        if len(roots) > 1:
+            which = "name the optimizer to read" if optimizer is None else f"none of them is optimizer {optimizer}'s"
+            raise CheckpointError(
+                f"{self.path}: parameter {name!r} has optimizer state under several roots "
+                f"({', '.join(repr(keys.root) for keys in roots)}): {which}"
+            )
+        return roots[0].state[name] if roots else {}
 
     # ------------------------------------------------------------------------------------------- tensors
-    def read_param(self, name: str, tensor_of: str = WEIGHTS, start: int = 0, count: int | None = None) -> Tensor:
+    def read_param(
+        self, name: str, tensor_of: str = WEIGHTS, start: int = 0, count: int | None = None,
+        optimizer: int | None = None,
+    ) -> Tensor:
         """Elements of parameter ``name`` (all of them by default), from its weights (``tensor_of="flat"``) or an
-        optimizer state (``"optim:<state name>"``): a new 1-D CPU tensor of the stored dtype. An optimizer state
-        the checkpoint does not hold for ``name`` reads as zeros (a parameter never stepped), as in our format."""
+        optimizer state (``"optim:<state name>"``) of optimizer ``optimizer``: a new 1-D CPU tensor of the stored
+        dtype. An optimizer state the checkpoint does not hold for ``name`` reads as zeros (a parameter never
+        stepped), as in our format."""
         param = self.params[name][1]
         count = param.numel - start if count is None else count
         if tensor_of == WEIGHTS:
             return self.read_tensor(self.keys.model[name], start, count)
         state_name = tensor_of.removeprefix("optim:")
-        key = self._state.get(name, {}).get(state_name)
+        key = self._state_of(name, optimizer).get(state_name)
         if key is None:
             return torch.zeros(count, dtype=self._state_dtype(state_name))
         return self.read_tensor(key, start, count)
@@ -174,21 +184,23 @@ class DcpCheckpoint:
         return receiver.objects
 
     def _state_dtype(self, state_name: str) -> torch.dtype:
-        for names in self._state.values():
-            if state_name in names:
-                return self._tensor_md(names[state_name]).properties.dtype
+        for keys in self.keys.optimizers:
+            for names in keys.state.values():
+                if state_name in names:
+                    return self._tensor_md(names[state_name]).properties.dtype
         return torch.float32
 
     # ------------------------------------------------------------------------------------- optimizer state
     @property
     def has_optimizer_state(self) -> bool:
-        return bool(self._state)
+        return any(keys.state for keys in self.keys.optimizers)
 
-    def stored_state(self, name: str) -> tuple[list[str], dict[str, str]]:
-        """(per-element state names, {scalar state name: stored key}) the checkpoint holds for parameter ``name``."""
+    def stored_state(self, name: str, optimizer: int | None = None) -> tuple[list[str], dict[str, str]]:
+        """(per-element state names, {scalar state name: stored key}) the checkpoint holds for parameter ``name``
+        in optimizer ``optimizer``."""
         shape = self.params[name][1].shape
         per_element, scalars = [], {}
-        for state_name, key in sorted(self._state.get(name, {}).items()):
+        for state_name, key in sorted(self._state_of(name, optimizer).items()):
             md = self._entries[key]
             if isinstance(md, TensorStorageMetadata) and len(md.size) > 0 and list(md.size) == list(shape):
                 per_element.append(state_name)
@@ -196,34 +208,35 @@ class DcpCheckpoint:
                 scalars[state_name] = key
         return per_element, scalars
 
-    def state_names(self, flat: FlatEntry) -> list[str]:
-        """Per-element optimizer state names of the parameter ``flat`` stands for (see :meth:`_state_source`)."""
-        return self._state_source(flat.key)[0]
+    def state_names(self, flat: FlatEntry, optimizer: int | None = None) -> list[str]:
+        """Per-element state names of optimizer ``optimizer`` for the parameter ``flat`` stands for (see
+        :meth:`_state_source`)."""
+        return self._state_source(flat.key, optimizer)[0]
 
-    def scalar_state_at(self, flat: FlatEntry, position: int) -> dict[str, Any]:
-        """Scalar optimizer state (``step``) of the parameter ``flat`` stands for (one value per parameter, so
-        ``position`` does not matter)."""
-        return self.read_scalars(self._state_source(flat.key)[1])
+    def scalar_state_at(self, flat: FlatEntry, position: int, optimizer: int | None = None) -> dict[str, Any]:
+        """Scalar state (``step``) of optimizer ``optimizer`` for the parameter ``flat`` stands for (one value per
+        parameter, so ``position`` does not matter)."""
+        return self.read_scalars(self._state_source(flat.key, optimizer)[1])
 
-    def _state_source(self, name: str) -> tuple[list[str], dict[str, str]]:
+    def _state_source(self, name: str, optimizer: int | None) -> tuple[list[str], dict[str, str]]:
         """The parameter's own state; for a parameter the checkpoint holds no state for (never stepped, e.g.
         unused), the names and scalar state of another parameter of its param group: a ZeRO master piece holds
         several parameters and one ``step``, so the piece keeps its neighbours' step and this parameter's part of
         the per-element state reads as zeros (as our own format stores a piece never stepped)."""
-        own = self.stored_state(name)
+        own = self.stored_state(name, optimizer)
         if own[0] or own[1]:
             return own
-        for _, members in self._groups():
+        for _, members in self._groups(optimizer):
             if name in members:
                 for other in members:
-                    if other in self._state and other in self.params:
-                        return self.stored_state(other)
+                    if other in self.params and self._state_of(other, optimizer):
+                        return self.stored_state(other, optimizer)
         return [], {}
 
-    def _groups(self) -> list[tuple[dict[str, Any], list[str]]]:
-        if self._cached_groups is None:
-            self._cached_groups = self.param_groups()
-        return self._cached_groups
+    def _groups(self, optimizer: int | None) -> list[tuple[dict[str, Any], list[str]]]:
+        if optimizer not in self._cached_groups:
+            self._cached_groups[optimizer] = self.param_groups(optimizer)
+        return self._cached_groups[optimizer]
 
     def read_scalars(self, keys: dict[str, str]) -> dict[str, dict[str, Any]]:
         """Scalar state as the records ``shard_content.scalar_value`` turns back into values."""
@@ -238,12 +251,13 @@ class DcpCheckpoint:
                 records[state_name] = {"value": value.item(), "tensor": True, "dtype": dtype}
         return records
 
-    def param_groups(self) -> list[tuple[dict[str, Any], list[str]]]:
-        """Every stored param group as (hyper-parameters, parameter fqns), optimizer roots in order; torchtitan's
-        flattened layout gives one group per parameter."""
+    def param_groups(self, optimizer: int | None = None) -> list[tuple[dict[str, Any], list[str]]]:
+        """The stored param groups of optimizer ``optimizer`` (None: of every optimizer) as (hyper-parameters,
+        parameter fqns), roots in order; torchtitan's flattened layout gives one group per parameter."""
+        roots = [keys for keys in self.keys.optimizers if optimizer is None or keys.serves in (None, optimizer)]
         groups: list[tuple[dict[str, Any], list[str]]] = []
-        for optimizer in self.keys.optimizers:
-            groups += _groups_of(optimizer, self.read_objects(_group_keys(optimizer)))
+        for keys in roots:
+            groups += _groups_of(keys, self.read_objects(_group_keys(keys)))
         return groups
 
     # ------------------------------------------------------------------------------------ trainer state
@@ -297,9 +311,9 @@ def _entry(name: str, md: TensorStorageMetadata) -> tuple[FlatEntry, ParamEntry]
     numel = 1
     for dim in md.size:
         numel *= dim
-    param = ParamEntry(name=name, shape=list(md.size), offset=0, numel=numel, group_index=None)
+    param = ParamEntry(name=name, shape=list(md.size), offset=0, numel=numel, groups=[])
     dtype = str(md.properties.dtype).removeprefix("torch.")
-    return FlatEntry(key=name, dtype=dtype, optimizer_index=None, shard_numel=numel, params=[param]), param
+    return FlatEntry(key=name, dtype=dtype, optimizers=[], shard_numel=numel, params=[param]), param
 
 
 def _group_keys(optimizer: OptimizerKeys) -> list[str]:

@@ -25,14 +25,12 @@ from torch import Tensor, nn
 from zero_strategy.checkpoint.dcp_content import (
     INFO,
     MODEL,
-    OPTIM,
     OURS,
-    PARAM_GROUPS,
     RNG,
-    STATE,
     TRAINER_STATE,
     add_range,
     info_json,
+    optimizer_content,
     param_group_entries,
     rng_record,
     to_bytes,
@@ -53,8 +51,8 @@ from zero_strategy.core.plan.layout import SliceOverlap
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 
-# what one rank knows of a parameter's optimizer state: {per-element name: dtype}, {scalar name: (value, dtype)}
-StateSummary = dict[str, tuple[dict[str, str], dict[str, tuple[Any, str | None]]]]
+# what one rank knows of each (optimizer, parameter)'s state: {per-element name: dtype}, {scalar: (value, dtype)}
+StateSummary = dict[tuple[int, str], tuple[dict[str, str], dict[str, tuple[Any, str | None]]]]
 
 
 def save_dcp(engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo) -> None:
@@ -140,9 +138,9 @@ def engine_state_dict(
             model[key] = value.detach().cpu() if isinstance(value, Tensor) else value
     content: dict[str, Any] = {MODEL: model}
     if optimizer_state is not None:
-        content[OPTIM] = {STATE: _optimizer_tensors(engine, optimizer_state, rank if writes else None, leader)}
-        if leader:
-            content[OPTIM][PARAM_GROUPS] = _param_groups(engine)
+        states = _optimizer_tensors(engine, optimizer_state, rank if writes else None, leader)
+        shared = any(len(optimizers) > 1 for _, _, optimizers in engine.named_flat_params())
+        content.update(optimizer_content(states, _param_groups(engine) if leader else None, shared))
     own: dict[str, Any] = {RNG: {str(rank): rng_record(*capture_rng())}} if writes else {}
     if leader:
         optimizers = [{"class": qualified_name(o), "param_groups": len(o.param_groups)} for o in engine.optimizers]
@@ -174,8 +172,10 @@ def _weights(engine: ZeroEngine, rank: int | None) -> dict[str, ChunkedTensor]:
 
 
 class _OptimizedPart(NamedTuple):
-    """The part of one parameter that one master piece holds on this rank, and that piece's optimizer state."""
+    """The part of one parameter that one master piece holds on this rank, and one optimizer's state of that
+    piece (a piece several optimizers step makes one part per optimizer)."""
 
+    optimizer: int
     name: str
     overlap: SliceOverlap
     within: int  # where the part starts inside the piece
@@ -185,24 +185,24 @@ class _OptimizedPart(NamedTuple):
 
 def _optimized_parts(engine: ZeroEngine, rank: int) -> list[_OptimizedPart]:
     parts = []
-    for _, flat, opt_index in engine.named_flat_params():
-        if opt_index is None:
-            continue
-        state = engine.optimizers[opt_index].state
+    for _, flat, optimizers in engine.named_flat_params():
         overlaps = flat.layout.overlaps(rank)
-        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
-            for overlap in overlaps:
-                if offset <= overlap.shard_start < offset + piece.numel():
-                    parts.append(
-                        _OptimizedPart(overlap.name, overlap, overlap.shard_start - offset, piece, state.get(piece, {}))
-                    )
+        for opt_index in optimizers:
+            state = engine.optimizers[opt_index].state
+            for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+                for overlap in overlaps:
+                    if offset <= overlap.shard_start < offset + piece.numel():
+                        within = overlap.shard_start - offset
+                        parts.append(
+                            _OptimizedPart(opt_index, overlap.name, overlap, within, piece, state.get(piece, {}))
+                        )
     return parts
 
 
 def _optimizer_summary(engine: ZeroEngine) -> StateSummary:
     summary: StateSummary = {}
     for part in _optimized_parts(engine, engine.ctx.rank):
-        per_element, scalars = summary.setdefault(part.name, ({}, {}))
+        per_element, scalars = summary.setdefault((part.optimizer, part.name), ({}, {}))
         for key, value in part.state.items():
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape == part.piece.shape:
                 per_element[key] = str(value.dtype).removeprefix("torch.")
@@ -228,11 +228,12 @@ def _agree(summaries: list[StateSummary]) -> StateSummary:
 
 def _optimizer_tensors(
     engine: ZeroEngine, agreed: StateSummary, rank: int | None, leader: bool
-) -> dict[str, dict[str, Any]]:
+) -> list[dict[str, dict[str, Any]]]:
+    """Per optimizer, its state by parameter fqn: per-element state as this rank's boxes, scalars (leader only)."""
     shapes = {span.name: tuple(span.shape) for flat in engine.flat_params for span in flat.layout.spans}
-    states: dict[str, dict[str, Any]] = {}
-    for name, (per_element, scalars) in agreed.items():
-        state = states.setdefault(name, {})
+    states: list[dict[str, dict[str, Any]]] = [{} for _ in engine.optimizers]
+    for (opt_index, name), (per_element, scalars) in agreed.items():
+        state = states[opt_index].setdefault(name, {})
         for key, dtype in per_element.items():
             state[key] = ChunkedTensor(shapes[name], getattr(torch, dtype))
         if leader:
@@ -242,8 +243,8 @@ def _optimizer_tensors(
     if rank is None:
         return states
     for part in _optimized_parts(engine, rank):
-        for key in agreed.get(part.name, ({}, {}))[0]:
-            tensor = states[part.name][key]
+        for key in agreed.get((part.optimizer, part.name), ({}, {}))[0]:
+            tensor = states[part.optimizer][part.name][key]
             values = part.state.get(key)
             at = part.within - part.overlap.param_start  # piece index of the parameter's element 0
             read = partial(_zeros, tensor.dtype) if values is None else partial(_slice, values.reshape(-1), at)
@@ -260,13 +261,12 @@ def _zeros(dtype: torch.dtype, first: int, count: int) -> Tensor:
     return torch.zeros(count, dtype=dtype)
 
 
-def _param_groups(engine: ZeroEngine) -> list[dict[str, Any]]:
+def _param_groups(engine: ZeroEngine) -> list[list[dict[str, Any]]]:
+    """Per optimizer, its param groups with the fqns of their parameters."""
     members: dict[tuple[int, int], list[str]] = {}
-    for _, flat, opt_index in engine.named_flat_params():
-        if opt_index is None:
-            continue
-        for name, group in zip(flat.names, flat.param_group_index, strict=True):
-            if group is not None:
+    for _, flat, optimizers in engine.named_flat_params():
+        for opt_index in optimizers:
+            for name, group in zip(flat.names, flat.param_group_in(opt_index), strict=True):
                 members.setdefault((opt_index, group), []).append(name)
     hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in engine.optimizers]
     return param_group_entries(hyper, members)

@@ -72,13 +72,25 @@ def check_compatible(engine: ZeroEngine, ckpt: ShardedCheckpoint, strict: bool, 
 
 
 def _check_groups(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
+    """Every parameter is in the same param group of the same optimizers as when it was saved."""
     for flat in engine.flat_params:
-        for name, group in zip(flat.names, flat.param_group_index, strict=True):
-            if name in ckpt.params and ckpt.params[name][1].group_index != group:
+        for name, groups in zip(flat.names, flat.param_groups, strict=True):
+            if name not in ckpt.params:
+                continue
+            here = dict(zip(flat.optimizers, groups, strict=True))
+            stored_flat, stored = ckpt.params[name]
+            saved = stored_flat.group_of(stored)
+            if saved != here:
                 raise CheckpointError(
-                    f"{ckpt.path}: parameter {name} is in optimizer param group {ckpt.params[name][1].group_index} "
-                    f"in the checkpoint but in group {group} in this run"
+                    f"{ckpt.path}: parameter {name} is in {_describe_groups(saved)} in the checkpoint but in "
+                    f"{_describe_groups(here)} in this run"
                 )
+
+
+def _describe_groups(groups: dict[int, int]) -> str:
+    if not groups:
+        return "no optimizer"
+    return ", ".join(f"param group {group} of optimizer {optimizer}" for optimizer, group in groups.items())
 
 
 def load_weights(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> None:
@@ -100,15 +112,14 @@ def load_optimizer_state(engine: ZeroEngine, ckpt: ReadableCheckpoint, param_gro
     for optimizer, groups in zip(engine.optimizers, param_groups, strict=True):
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-    for _, flat, opt_index in engine.named_flat_params():
-        if opt_index is None:
-            continue
-        optimizer = engine.optimizers[opt_index]
-        for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
-            state = _piece_state(engine, ckpt, flat, offset, piece)
-            _place_step_counters(optimizer, piece, state)
-            if state:
-                optimizer.state[piece] = _to_offload_files(engine, piece, state)
+    for _, flat, optimizers in engine.named_flat_params():
+        for opt_index in optimizers:  # several optimizers stepping one FlatParam: each its own state
+            optimizer = engine.optimizers[opt_index]
+            for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
+                state = _piece_state(engine, ckpt, flat, (offset, piece), opt_index)
+                _place_step_counters(optimizer, piece, state)
+                if state:
+                    optimizer.state[piece] = _to_offload_files(engine, optimizer, piece, state)
     if engine.placement is not None and engine.placement.store is not None:
         engine.placement.store.release_pages()
 
@@ -126,40 +137,46 @@ def _place_step_counters(optimizer: torch.optim.Optimizer, piece: nn.Parameter, 
     state["step"] = step.to(dtype=torch.float32, device=piece.device) if on_device else step.to("cpu")
 
 
-def _to_offload_files(engine: ZeroEngine, piece: nn.Parameter, state: dict[str, object]) -> dict[str, object]:
-    """With nvme offload, loaded element-wise state goes into files like the state the optimizer creates."""
+def _to_offload_files(
+    engine: ZeroEngine, optimizer: torch.optim.Optimizer, piece: nn.Parameter, state: dict[str, object]
+) -> dict[str, object]:
+    """With nvme offload, loaded element-wise state goes into files like the state the optimizer creates (named as
+    chunked_step names them: one file per optimizer, piece and state)."""
     store = engine.placement.store if engine.placement is not None else None
     if store is None:
         return state
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            backed = store.tensor(f"state-{id(piece)}-{key}", piece.numel(), value.dtype).view_as(piece)
+            name = f"state-{id(optimizer)}-{id(piece)}-{key}"
+            backed = store.tensor(name, piece.numel(), value.dtype).view_as(piece)
             backed.copy_(value)
             state[key] = backed
     return state
 
 
 def _piece_state(
-    engine: ZeroEngine, ckpt: ReadableCheckpoint, flat: FlatParam, offset: int, piece: nn.Parameter
+    engine: ZeroEngine, ckpt: ReadableCheckpoint, flat: FlatParam, piece: tuple[int, nn.Parameter], optimizer: int
 ) -> dict[str, object]:
-    """The state of one master piece, gathered parameter by parameter from the checkpoint."""
-    end = offset + piece.numel()
+    """Optimizer ``optimizer``'s state of one master piece (``(its offset in the shard, the piece)``), gathered
+    parameter by parameter from the checkpoint."""
+    offset, master = piece
+    end = offset + master.numel()
     overlapping = [o for o in flat.layout.overlaps(engine.ctx.rank) if offset <= o.shard_start < end]
     if not overlapping or overlapping[0].name not in ckpt.params:
         return {}
     first_flat, first_param = ckpt.params[overlapping[0].name]
-    names = ckpt.state_names(first_flat)
+    names = ckpt.state_names(first_flat, optimizer)
     state: dict[str, object] = {}
     for name in names:
-        values = torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
+        values = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
         for overlap in overlapping:
-            chunk = ckpt.read_param(overlap.name, f"optim:{name}", overlap.param_start, overlap.numel)
+            chunk = ckpt.read_param(overlap.name, f"optim:{name}", overlap.param_start, overlap.numel, optimizer)
             values = values.to(chunk.dtype)
             values[overlap.shard_start - offset : overlap.shard_start - offset + overlap.numel].copy_(chunk)
-        state[name] = values.view_as(piece)
+        state[name] = values.view_as(master)
     position = first_param.offset + overlapping[0].param_start
-    for name, record in ckpt.scalar_state_at(first_flat, position).items():
-        state[name] = scalar_value(record, torch.device("cpu") if name == "step" else piece.device)
+    for name, record in ckpt.scalar_state_at(first_flat, position, optimizer).items():
+        state[name] = scalar_value(record, torch.device("cpu") if name == "step" else master.device)
     return state
 
 

@@ -36,10 +36,10 @@ class SnapshotFlat:
         self.names = [name for name, _ in spec.named_params]
         self.params = [param for _, param in spec.named_params]
         self.layout: FlatLayout = spec.layout
-        self.param_group_index: list[int | None] = [None] * len(self.params)
+        self.optimizers: tuple[int, ...] = ()  # no optimizer state is saved from a module (see the Note)
+        self.param_groups: list[tuple[int, ...]] = [()] * len(self.params)
         self.master_pieces: list[nn.Parameter] = []
         self.piece_offset: list[int] = []
-        self.piece_group_index: list[int] = []
         self._dtype = spec.stored_dtype
 
     @property
@@ -74,8 +74,8 @@ class ModuleSnapshot:
         specs = [spec for unit in plan_flat_params(plans, {}, None, 1) for spec in unit]
         self._flats = [(spec.key, SnapshotFlat(spec)) for spec in specs]
 
-    def named_flat_params(self) -> Iterator[tuple[str, SnapshotFlat, int | None]]:
-        yield from ((key, flat, None) for key, flat in self._flats)
+    def named_flat_params(self) -> Iterator[tuple[str, SnapshotFlat, tuple[int, ...]]]:
+        yield from ((key, flat, flat.optimizers) for key, flat in self._flats)
 
     def parameter_names(self) -> dict[int, str]:
         return {id(p): name for _, flat in self._flats for name, p in zip(flat.names, flat.params, strict=True)}

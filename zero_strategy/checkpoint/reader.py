@@ -108,31 +108,54 @@ class ShardedCheckpoint:
                 return self.reader(rank).entries_dtype(tensor)
         return torch.float32
 
-    def read_param(self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None) -> Tensor:
-        """Elements of parameter ``name`` (all of them by default), from its weights (``tensor_of="flat"``) or an
-        optimizer state (``tensor_of="optim:<state name>"``)."""
+    def read_param(
+        self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None,
+        optimizer: int | None = None,
+    ) -> Tensor:
+        """Elements of parameter ``name`` (all of them by default), from its weights (``tensor_of="flat"``) or one
+        optimizer state (``tensor_of="optim:<state name>"``) of optimizer ``optimizer`` (default: the first that
+        steps it)."""
         flat, param = self.params[name]
         count = param.numel - start if count is None else count
         if tensor_of == "flat":
             tensor = f"flat/{flat.key}"
         else:
-            tensor = f"optim/{flat.key}/{tensor_of.removeprefix('optim:')}"
+            state = tensor_of.removeprefix("optim:")
+            tensor = self.manifest.state_tensor_name(flat, self._optimizer(flat, optimizer), state)
         return self.read_flat_range(flat, tensor, param.offset + start, count)
 
-    def state_names(self, flat: FlatEntry) -> list[str]:
-        """Per-element optimizer state names stored for a FlatParam (union over ranks)."""
-        prefix = f"optim/{flat.key}/"
+    @staticmethod
+    def _optimizer(flat: FlatEntry, optimizer: int | None) -> int:
+        if optimizer is None:
+            if not flat.optimizers:
+                raise CheckpointError(f"FlatParam {flat.key} is stepped by no optimizer: it has no optimizer state")
+            return flat.optimizers[0]
+        if optimizer not in flat.optimizers:
+            raise CheckpointError(f"FlatParam {flat.key} is not stepped by optimizer {optimizer} ({flat.optimizers})")
+        return optimizer
+
+    def state_names(self, flat: FlatEntry, optimizer: int | None = None) -> list[str]:
+        """Per-element state names optimizer ``optimizer`` (default: the first that steps it) stored for a
+        FlatParam (union over ranks)."""
+        if not flat.optimizers:
+            return []
+        prefix = self.manifest.state_tensor_name(flat, self._optimizer(flat, optimizer), "")
         names: set[str] = set()
         for rank in range(self.manifest.world_size):
             names |= {n.removeprefix(prefix) for n in self.reader(rank).entries if n.startswith(prefix)}
         return sorted(names)
 
-    def scalar_state_at(self, flat: FlatEntry, position: int) -> dict[str, Any]:
-        """Scalar optimizer state (e.g. ``step``) of the piece that held flat element ``position``."""
+    def scalar_state_at(self, flat: FlatEntry, position: int, optimizer: int | None = None) -> dict[str, Any]:
+        """Scalar state (e.g. ``step``) optimizer ``optimizer`` (default: the first that steps the FlatParam) keeps
+        for the piece that held flat element ``position``."""
+        if not flat.optimizers:
+            return {}
+        wanted = self._optimizer(flat, optimizer)
         rank, within = divmod(position, flat.shard_numel)
         records = json.loads(self.reader(rank).metadata.get("scalars", "{}")).get(flat.key, [])
         for record in records:
-            if record["offset"] <= within < record["offset"] + record["numel"]:
+            mine = record.get("optimizer", wanted) == wanted  # version 1: one optimizer, not named
+            if mine and record["offset"] <= within < record["offset"] + record["numel"]:
                 return dict(record["state"])
         return {}
 

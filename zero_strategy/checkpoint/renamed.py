@@ -30,14 +30,17 @@ class RenamedCheckpoint:
         """Everything that is not per parameter (the manifest, the trainer state) is the checkpoint's own."""
         return getattr(self._checkpoint, attribute)
 
-    def read_param(self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None) -> Tensor:
-        return self._checkpoint.read_param(self._source[name], tensor_of, start, count)
+    def read_param(
+        self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None,
+        optimizer: int | None = None,
+    ) -> Tensor:  # fmt: skip
+        return self._checkpoint.read_param(self._source[name], tensor_of, start, count, optimizer)
 
-    def state_names(self, flat: FlatEntry) -> list[str]:
-        return self._checkpoint.state_names(flat)
+    def state_names(self, flat: FlatEntry, optimizer: int | None = None) -> list[str]:
+        return self._checkpoint.state_names(flat, optimizer)
 
-    def scalar_state_at(self, flat: FlatEntry, position: int) -> dict[str, Any]:
-        return self._checkpoint.scalar_state_at(flat, position)
+    def scalar_state_at(self, flat: FlatEntry, position: int, optimizer: int | None = None) -> dict[str, Any]:
+        return self._checkpoint.scalar_state_at(flat, position, optimizer)
 
     def rng_state(self, rank: int) -> tuple[dict[str, Tensor], str] | None:
         return self._checkpoint.rng_state(rank)

@@ -100,15 +100,14 @@ def _manifest_entries(
         else:
             keys.append([new, "buffer", new])
     flats: list[FlatEntry] = []
-    for key, flat, opt_index in engine.named_flat_params():
+    for key, flat, optimizers in engine.named_flat_params():
         params = [
-            ParamEntry(name=stored[span.name], shape=list(span.shape), offset=span.offset, numel=span.numel,
-                       group_index=group)
-            for span, group in zip(flat.layout.spans, flat.param_group_index, strict=True)
+            ParamEntry(stored[span.name], list(span.shape), span.offset, span.numel, groups=list(groups))
+            for span, groups in zip(flat.layout.spans, flat.param_groups, strict=True)
             if span.name in stored
         ]
         dtype = str(flat.shard.dtype).removeprefix("torch.")
-        flats.append(FlatEntry(key, dtype, opt_index, flat.shard.numel(), params))
+        flats.append(FlatEntry(key, dtype, list(optimizers), flat.shard.numel(), params))
     return flats, keys
 
 

@@ -1,8 +1,9 @@
 """What one rank's shard file holds: its master slices, its optimizer-state slices and its RNG state.
 
 Per-element optimizer state (``exp_avg``, ``momentum_buffer``, ...) is stored shard-aligned — one tensor of the
-shard's length per FlatParam and state name — so a reader finds any parameter's state at the same offsets as its
-weights. Per-piece scalars (Adam's ``step``) go to the file's JSON metadata with the piece they belong to.
+shard's length per FlatParam, optimizer and state name (a FlatParam two optimizers step has two of each) — so a
+reader finds any parameter's state at the same offsets as its weights. Per-piece scalars (Adam's ``step``) go to
+the file's JSON metadata with the piece and the optimizer they belong to (see [Note: format versions] in format.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zero_strategy.checkpoint.format import state_name
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.step.engine import ZeroEngine
 
@@ -22,10 +24,6 @@ TensorSpec = tuple[str, torch.dtype, list[int]]
 
 def weight_name(key: str) -> str:
     return f"flat/{key}"
-
-
-def state_name(key: str, name: str) -> str:
-    return f"optim/{key}/{name}"
 
 
 def _is_elementwise(value: object, piece: Tensor) -> bool:
@@ -52,25 +50,29 @@ def collect_shard(
     # (flat, state name or None for the weights, dtype, the optimizer's state dict)
     producers: list[tuple[FlatParam, str | None, torch.dtype, dict]] = []
     scalars: dict[str, list[dict[str, Any]]] = {}
-    for key, flat, opt_index in engine.named_flat_params():
+    for key, flat, optimizers in engine.named_flat_params():
         specs.append((weight_name(key), flat.shard.dtype, [flat.shard.numel()]))
         producers.append((flat, None, flat.shard.dtype, {}))
-        if not with_optimizer or opt_index is None:
+        if not with_optimizer:
             continue
-        state = engine.optimizers[opt_index].state
-        names: dict[str, torch.dtype] = {}
         records: list[dict[str, Any]] = []
-        for piece, offset, group in zip(flat.master_pieces, flat.piece_offset, flat.piece_group_index, strict=True):
-            piece_state = state.get(piece, {})
-            for name, value in piece_state.items():
-                if _is_elementwise(value, piece):
-                    names.setdefault(name, value.dtype)
-            record_state = {n: _scalar_record(v) for n, v in piece_state.items() if not _is_elementwise(v, piece)}
-            records.append({"offset": offset, "numel": piece.numel(), "group": group, "state": record_state})
-        scalars[key] = records
-        for name, dtype in sorted(names.items()):
-            specs.append((state_name(key, name), dtype, [flat.shard.numel()]))
-            producers.append((flat, name, dtype, state))
+        for opt_index in optimizers:
+            state = engine.optimizers[opt_index].state
+            names: dict[str, torch.dtype] = {}
+            groups = flat.piece_group_in(opt_index)
+            for piece, offset, group in zip(flat.master_pieces, flat.piece_offset, groups, strict=True):
+                piece_state = state.get(piece, {})
+                for name, value in piece_state.items():
+                    if _is_elementwise(value, piece):
+                        names.setdefault(name, value.dtype)
+                record_state = {n: _scalar_record(v) for n, v in piece_state.items() if not _is_elementwise(v, piece)}
+                records.append({"offset": offset, "numel": piece.numel(), "optimizer": opt_index, "group": group,
+                                "state": record_state})
+            for name, dtype in sorted(names.items()):
+                specs.append((state_name(key, opt_index, name), dtype, [flat.shard.numel()]))
+                producers.append((flat, name, dtype, state))
+        if optimizers:
+            scalars[key] = records
 
     def produce() -> Iterator[Tensor]:
         # One shard-sized tensor alive at a time: memory stays near one slice, not the whole optimizer state.

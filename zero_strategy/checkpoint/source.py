@@ -17,18 +17,22 @@ class ReadableCheckpoint(Protocol):
     path: Path
     params: dict[str, tuple[FlatEntry, ParamEntry]]  # canonical parameter name -> where it sits
 
-    def read_param(self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None) -> Tensor:
+    def read_param(
+        self, name: str, tensor_of: str = "flat", start: int = 0, count: int | None = None,
+        optimizer: int | None = None,
+    ) -> Tensor:
         """Elements ``[start, start + count)`` of parameter ``name``'s weights (``"flat"``) or of one optimizer
-        state (``"optim:<state name>"``), as a new 1-D CPU tensor."""
+        state (``"optim:<state name>"``) of optimizer ``optimizer`` (None: the parameter's only, or first,
+        optimizer), as a new 1-D CPU tensor."""
         ...
 
-    def state_names(self, flat: FlatEntry) -> list[str]:
-        """Per-element optimizer state names stored for the parameters of ``flat``."""
+    def state_names(self, flat: FlatEntry, optimizer: int | None = None) -> list[str]:
+        """Per-element state names optimizer ``optimizer`` stored for the parameters of ``flat``."""
         ...
 
-    def scalar_state_at(self, flat: FlatEntry, position: int) -> dict[str, Any]:
-        """Scalar optimizer state (``step``) of the piece holding flat element ``position``, as records that
-        ``shard_content.scalar_value`` turns into values."""
+    def scalar_state_at(self, flat: FlatEntry, position: int, optimizer: int | None = None) -> dict[str, Any]:
+        """Scalar state (``step``) optimizer ``optimizer`` keeps for the piece holding flat element ``position``,
+        as records that ``shard_content.scalar_value`` turns into values."""
         ...
 
     def rng_state(self, rank: int) -> tuple[dict[str, Tensor], str] | None:

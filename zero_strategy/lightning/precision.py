@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import Steppable
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -109,6 +110,19 @@ class ZeroPrecision(Precision):
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
 
+    @override
+    def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        with self._watching_grad_reads(module):  # on_after_backward
+            return super().post_backward(tensor, module)
+
+    def _watching_grad_reads(self, module: LightningModule) -> AbstractContextManager[None]:
+        """While Lightning's gradient hooks run, reads of ``p.grad`` warn where ZeRO keeps the gradient elsewhere
+        (see [Note: reading p.grad under ZeRO] in core/flat/grad_reads.py); only when the module or a callback
+        overrides one of them, so that nobody else pays for it."""
+        if self._engine is None or not _overrides_gradient_hooks(module):
+            return nullcontext()
+        return self._engine.watching_grad_reads()
+
     # -------------------------------------------------------------------------------------- the step
     @override
     def optimizer_step(  # type: ignore[override]
@@ -125,7 +139,8 @@ class ZeroPrecision(Precision):
                 window.skip()  # the window drops the gradients on every rank: nothing moves
                 return closure_result
             if isinstance(model, LightningModule):
-                self._after_closure(model, optimizer)
+                with self._watching_grad_reads(model):  # on_before_optimizer_step, configure_gradient_clipping
+                    self._after_closure(model, optimizer)
             result = self.engine.step(optimizer, **kwargs)
         self._skipped_last[id(optimizer)] = False
         return closure_result if result is None else result
@@ -217,3 +232,13 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _overrides_gradient_hooks(module: LightningModule) -> bool:
+    """Whether user code runs in a hook where it could read ``p.grad``."""
+    if any(is_overridden(hook, module) for hook in (*_GRADIENT_HOOKS, "configure_gradient_clipping")):
+        return True
+    trainer = module._trainer
+    callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+    return any(is_overridden(hook, callback, Callback) for callback in callbacks for hook in _GRADIENT_HOOKS)

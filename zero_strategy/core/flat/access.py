@@ -14,6 +14,8 @@ device, ``numel``, ``requires_grad``, ``grad``, hooks, the storage object) and d
 - ``module.state_dict()``: gathered for the duration of the call and every value cloned (the engine's state-dict
   hooks, step/state_dict_hooks.py; a collective: every rank calls it). ``keep_vars=True`` returns the parameters
   themselves and gathers nothing.
+- a read of ``.grad``: what torch left there (None once the gradient was reduced), with a warning where the
+  gradient lives in the master slices instead (see [Note: reading p.grad under ZeRO] in grad_reads.py).
 - any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``print`` of the values): a
   :class:`ShardedParameterError` naming the parameter and the way to read it: ``with engine.gathered_parameters():``
   (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every rank enters.
@@ -30,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from zero_strategy.core.flat.grad_reads import check_grad_read, is_grad_getter
 
 # What reads no values of a parameter: properties (their getter's name) and methods.
 _METADATA_PROPERTIES = frozenset({
@@ -76,7 +80,11 @@ class _Sharded:
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
+                value = func(*args, **(kwargs or {}))
+            if is_grad_getter(func):
+                owner = args[0].__dict__.get("_zero_owner")
+                check_grad_read(args[0], owner() if owner is not None else None, args[0].__dict__.get("_zero_name"))
+            return value
         sharded = next((a for a in args if isinstance(a, _Sharded)), None)
         name = getattr(sharded, "_zero_name", "a parameter")
         _, what = _describe(func)
@@ -117,6 +125,13 @@ def _sharded_class(own: type) -> type:
     if own not in _SHARDED_CLASSES:
         _SHARDED_CLASSES[own] = type(f"Sharded{own.__name__}", (_Sharded, own), {})
     return _SHARDED_CLASSES[own]
+
+
+def own_grad(param: Tensor) -> Tensor | None:
+    """``param.grad`` as ZeRO itself reads it: never checked as a user's read (see [Note: reading p.grad under
+    ZeRO] in grad_reads.py)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return param.grad
 
 
 def mark_owner(param: Tensor, name: str, owner: object) -> None:

@@ -51,7 +51,8 @@ class FlatLinks:
 
 
 class FlatParam:
-    """One communication unit's parameters of one kind (dtype × optimizer): a flat buffer and this rank's slice.
+    """One communication unit's parameters of one kind (dtype × the optimizers that step them): a flat buffer and
+    this rank's slice.
 
     Communication plan: one all-gather of the shards to rebuild the full buffer (stage 3 before use; stages 1/2
     after each step), one reduce-scatter of the flattened gradients per reduction. The initial values were
@@ -65,7 +66,7 @@ class FlatParam:
         self.comm = links.comm
         self.rank = links.rank
         self.keeps_full = keeps_full
-        self.pieces = MasterPieces.carve(spec.layout, self.params, spec.group_index_of, storage.shard, links.rank)
+        self.pieces = MasterPieces.carve(spec.layout, self.params, spec.groups_of, storage.shard, links.rank)
         self.grads = GradientSlices(spec, self.params, links.comm, storage, self.pieces, links.has_replicas,
                                     links.streams)
         full = storage.full.tensor
@@ -116,14 +117,24 @@ class FlatParam:
         return self.pieces.offsets
 
     @property
-    def piece_group_index(self) -> list[int]:
-        return self.pieces.group_index
+    def optimizers(self) -> tuple[int, ...]:
+        """The optimizers that step this FlatParam (ascending; empty when none does)."""
+        return self.spec.optimizers
+
+    def piece_group_in(self, optimizer: int) -> list[int]:
+        """Each master piece's param group in optimizer ``optimizer`` (one of :attr:`optimizers`)."""
+        position = self.spec.optimizers.index(optimizer)
+        return [groups[position] for groups in self.pieces.groups]
 
     @property
-    def param_group_index(self) -> list[int | None]:
-        """Each parameter's optimizer param group (None: no optimizer steps it); checkpoints record it."""
-        group_of = self.spec.group_index_of
-        return [group_of[id(p)] if group_of is not None else None for p in self.params]
+    def param_groups(self) -> list[tuple[int, ...]]:
+        """Each parameter's param group in every optimizer of :attr:`optimizers` (empty tuples when none steps
+        it); checkpoints record it."""
+        return [self.spec.groups_of.get(id(p), ()) for p in self.params]
+
+    def param_group_in(self, optimizer: int) -> list[int]:
+        """Each parameter's param group in optimizer ``optimizer`` (one of :attr:`optimizers`)."""
+        return [self.spec.group_in(p, optimizer) for p in self.params]
 
     @property
     def reduce_bytes(self) -> int:

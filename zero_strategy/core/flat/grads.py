@@ -5,6 +5,11 @@ has none and in the padding; the module's ``.grad`` tensors are released: the fl
 reduce-scatter averages them over the shard group, and this rank's slice is added to the master pieces' gradients
 (fp32, where the masters live). Stage 1 under bf16/fp16 first accumulates the module's gradients in an fp32 stash
 as they are produced, so accumulation over micro-steps never happens in the low precision.
+
+The gradient belongs to the FlatParam, not to an optimizer: every optimizer that steps it reads the same one, as
+under DDP, where the optimizers holding a parameter share its ``.grad``. An optimizer step does not consume it;
+only :meth:`GradientSlices.discard` (``zero_grad()`` of any optimizer that steps the FlatParam, a skipped step)
+clears it (see [Note: optimizers sharing parameters] in step/window.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
+from zero_strategy.core.flat.access import own_grad
+from zero_strategy.core.flat.grad_reads import ModuleGrad
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.storage import FlatStorage
 from zero_strategy.core.plan.flat_specs import FlatSpec
@@ -39,11 +46,23 @@ class SliceState(Enum):
     FINAL = auto()  # averaged over every rank of the run
 
 
+class Scaling(Enum):
+    """Whether the master pieces' gradients still carry the fp16 loss scale (fp32 and bf16 stay SCALED, by 1)."""
+
+    SCALED = auto()  # as backward produced them
+    UNSCALED = auto()  # a step window multiplied them by 1/scale: a second optimizer stepping them must not again
+    MIXED = auto()  # a reduction landed after the unscaling: part of them carries the scale, part does not
+
+
+class GradientScaleError(RuntimeError):
+    """fp16: a gradient holds a mix of scaled and unscaled values, which no single unscaling can fix."""
+
+
 class GradientSlices:
     """The reduction of one FlatParam's gradients and their accumulation into its master pieces."""
 
     stash: Tensor | None  # stage 1 in low precision: fp32 full gradients between steps (padded, flat)
-    seen: list[bool]  # which parameters produced a gradient since the last step (this rank)
+    seen: list[bool]  # which parameters produced a gradient since it was last cleared (this rank, or agreed)
 
     def __init__(
         self, spec: FlatSpec, params: list[nn.Parameter], comm: Comm, storage: FlatStorage, pieces: MasterPieces,
@@ -60,6 +79,7 @@ class GradientSlices:
         self.seen = [False] * len(params)
         self.state = ReduceState.IDLE
         self.slice_state = SliceState.EMPTY
+        self.scaling = Scaling.SCALED
         self._work: Work | None = None
         self._host_copies: list[tuple[nn.Parameter, int, Tensor]] = []  # (piece, offset, pinned host values)
         self._copies_ready: object | None = None  # the event after which the host copies are complete
@@ -69,13 +89,14 @@ class GradientSlices:
     def stash_grad(self, index: int) -> None:
         """Move parameter ``index``'s gradient into the fp32 stash (stage 1 in low precision)."""
         param = self.params[index]
-        if param.grad is None:
+        grad = own_grad(param)
+        if grad is None:
             return
         if self.stash is None:
             self.stash = torch.zeros(self.spec.layout.padded_numel, dtype=torch.float32,
                                      device=self.storage.full.tensor.device)
         span = self.spec.layout.spans[index]
-        self.stash[span.offset : span.end].add_(param.grad.reshape(-1))
+        self.stash[span.offset : span.end].add_(grad.reshape(-1))
         param.grad = None
         self.seen[index] = True
 
@@ -95,8 +116,9 @@ class GradientSlices:
             target[layout.numel :].zero_()
         for index, (span, param) in enumerate(zip(layout.spans, self.params, strict=True)):
             part = target[span.offset : span.end]
-            if param.grad is not None:
-                part.add_(param.grad.reshape(-1)) if add else part.copy_(param.grad.reshape(-1))
+            grad = own_grad(param)
+            if grad is not None:
+                part.add_(grad.reshape(-1)) if add else part.copy_(grad.reshape(-1))
                 param.grad = None
                 self.seen[index] = True
             elif not add:
@@ -106,7 +128,7 @@ class GradientSlices:
     # ------------------------------------------------------------------------------------------ reducing
     def has_pending(self) -> bool:
         """Gradients on the module (or in the stash) not yet reduced."""
-        return self.stash is not None or any(p.grad is not None for p in self.params)
+        return self.stash is not None or any(own_grad(p) is not None for p in self.params)
 
     def requires_grad_now(self) -> bool:
         """Whether autograd can produce a gradient for this FlatParam at all (a GAN toggles ``requires_grad``)."""
@@ -142,6 +164,8 @@ class GradientSlices:
     def _accumulate(self, slices: Iterable[tuple[nn.Parameter, int, Tensor]]) -> None:
         """Add each (master piece, its offset in the shard, reduced values) to the piece's gradient, creating it on
         the first reduction of a step."""
+        if self.scaling is Scaling.UNSCALED:  # these values carry the loss scale, the others no longer do
+            self.scaling = Scaling.MIXED
         grad_file = self.storage.grad_file
         for piece, offset, values in slices:
             if piece.grad is not None:
@@ -176,27 +200,49 @@ class GradientSlices:
         self.state = ReduceState.IDLE
 
     # ------------------------------------------------------------------------------------------ the step
+    def unscale(self, inv_scale: float) -> None:
+        """fp16: multiply the reduced gradient by ``inv_scale``, once: a second optimizer stepping this FlatParam
+        (no ``zero_grad()`` in between) finds it done. A gradient that also holds values reduced after its
+        unscaling cannot be unscaled right: that is an error, raised on every rank alike (reductions and
+        unscalings happen at the same points everywhere)."""
+        if self.scaling is Scaling.MIXED:
+            raise GradientScaleError(
+                f"ZeRO fp16: the gradients of {self.spec.label} were reduced again after they had been unscaled (a "
+                "backward after clipping, or after another optimizer's step over the same parameters, without "
+                "zero_grad() in between), so part of them carries the loss scale and part does not. Call "
+                "zero_grad() after each optimizer step and clip after the step's last backward."
+            )
+        grads = [piece.grad for piece in self.pieces.pieces if piece.grad is not None]
+        if self.scaling is Scaling.UNSCALED or not grads:  # done already, or nothing to unscale yet
+            return
+        if inv_scale != 1.0:
+            for grad in grads:
+                grad.mul_(inv_scale)
+        self.scaling = Scaling.UNSCALED
+
     def discard(self) -> None:
-        """Drop every gradient (a skipped step). A reduction in flight completes first: every rank takes part in
-        every exchange, whatever it does with the result."""
+        """Drop every gradient (``zero_grad()``, a skipped step). A reduction in flight completes first: every rank
+        takes part in every exchange, whatever it does with the result."""
         self.finish_reduce()
         self.settle_host_copies()
         self.stash = None
         self.seen = [False] * len(self.params)
         self.slice_state = SliceState.EMPTY
+        self.scaling = Scaling.SCALED
         for param in self.params:
             param.grad = None
         for piece, _ in self.pieces:
             piece.grad = None
 
-    def stepped(self) -> None:
-        """The optimizer consumed the gradients: the next step starts from nothing seen."""
-        self.seen = [False] * len(self.params)
-        self.slice_state = SliceState.EMPTY
-
     def note_local_use(self) -> None:
         """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
-        self.seen = [seen or p.grad is not None for seen, p in zip(self.seen, self.params, strict=True)]
+        self.seen = [seen or own_grad(p) is not None for seen, p in zip(self.seen, self.params, strict=True)]
+
+    def module_grad(self, index: int) -> ModuleGrad:
+        """What parameter ``index``'s ``.grad`` holds (see [Note: reading p.grad under ZeRO] in grad_reads.py)."""
+        if own_grad(self.params[index]) is not None:
+            return ModuleGrad.OWN
+        return ModuleGrad.ELSEWHERE if self.seen[index] else ModuleGrad.NONE
 
     def unused_ranges(self, rank: int) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""

@@ -1,5 +1,7 @@
-"""The master pieces: this rank's slice of a FlatParam cut at optimizer param-group boundaries, as the
-``nn.Parameter`` objects the user's optimizer steps instead of the module's parameters."""
+"""The master pieces: this rank's slice of a FlatParam cut wherever a parameter's param group changes in any
+optimizer that steps it, as the ``nn.Parameter`` objects the user's optimizers step instead of the module's
+parameters. Several optimizers stepping one FlatParam list the same piece objects in their param groups; each
+keeps its own state for them (torch keys an optimizer's state by the parameter object, per optimizer)."""
 
 from __future__ import annotations
 
@@ -13,28 +15,29 @@ from zero_strategy.core.plan.layout import FlatLayout, group_ranges
 
 @dataclass(slots=True)
 class MasterPieces:
-    """``pieces[i]`` is ``shard[offsets[i] : offsets[i] + numel]`` and belongs to param group ``group_index[i]``."""
+    """``pieces[i]`` is ``shard[offsets[i] : offsets[i] + numel]``; ``groups[i]`` is its param group in each
+    optimizer that steps the FlatParam (parallel to ``FlatSpec.optimizers``)."""
 
     pieces: list[nn.Parameter]
-    group_index: list[int]
+    groups: list[tuple[int, ...]]
     offsets: list[int]
 
     @classmethod
     def carve(
-        cls, layout: FlatLayout, params: list[nn.Parameter], group_index_of: dict[int, int] | None, shard: Tensor,
+        cls, layout: FlatLayout, params: list[nn.Parameter], groups_of: dict[int, tuple[int, ...]], shard: Tensor,
         rank: int,
     ) -> MasterPieces:
-        """Split ``shard`` (``rank``'s slice) at param-group boundaries (the parameters were sorted by group);
-        nothing for parameters no optimizer steps."""
-        if group_index_of is None:
-            return cls([], [], [])
+        """Split ``shard`` (``rank``'s slice) wherever the parameters' param groups change (they were sorted by
+        them); nothing for parameters no optimizer steps (``groups_of`` empty)."""
         carved = cls([], [], [])
+        if not groups_of:
+            return carved
         start, end = layout.shard_range(rank)
-        for group_index, (lo, hi) in group_ranges(layout, params, group_index_of):
+        for groups, (lo, hi) in group_ranges(layout, params, groups_of):
             lo, hi = max(lo, start), min(hi, end)
             if lo < hi:
                 carved.pieces.append(nn.Parameter(shard[lo - start : hi - start], requires_grad=True))
-                carved.group_index.append(group_index)
+                carved.groups.append(groups)
                 carved.offsets.append(lo - start)
         return carved
 
@@ -47,6 +50,6 @@ class MasterPieces:
 
     def repoint(self, shard: Tensor) -> None:
         """The shard moved to new memory (its own, after release): make each piece a view of it again (the
-        optimizer keeps the same parameter objects and their state)."""
+        optimizers keep the same parameter objects and their state)."""
         for piece, offset in self:
             piece.data = shard[offset : offset + piece.numel()]

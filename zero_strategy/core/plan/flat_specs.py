@@ -1,10 +1,11 @@
 """How each unit's parameters split into FlatParams, decided from shapes, dtypes and optimizers alone.
 
-A FlatParam is one flat buffer, so it must be uniform in dtype (stored and computed) and in the optimizer that
-steps it (stepping one optimizer of a GAN then communicates only its own parameters). Frozen or un-optimized
-parameters form their own FlatParam, which is gathered at stage 3 but never reduced and has no master pieces.
-Deciding this before any buffer exists lets the comm plan size what it allocates (host-wide parameter buffers,
-shared reduction arenas) for every FlatParam at once.
+A FlatParam is one flat buffer, so it must be uniform in dtype (stored and computed) and in the set of optimizers
+that step it (stepping one optimizer of a GAN then communicates only its own parameters; a layer two optimizers
+share is a FlatParam of its own, stepped by both: see [Note: optimizers sharing parameters] in step/window.py).
+Frozen or un-optimized parameters form their own FlatParam, which is gathered at stage 3 but never reduced and has
+no master pieces. Deciding this before any buffer exists lets the comm plan size what it allocates (host-wide
+parameter buffers, shared reduction arenas) for every FlatParam at once.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class FlatSpec:
     key: str  # "<unit path>/<position in the unit>": stable across runs (checkpoints use it)
     unit: str  # the unit's module path ("" for the root)
     named_params: tuple[tuple[str, nn.Parameter], ...]
-    group_index_of: dict[int, int] | None  # id(param) -> its optimizer param group; None: no optimizer steps it
-    optimizer_index: int | None
+    optimizers: tuple[int, ...]  # the optimizers that step every parameter of it, ascending; (): none steps it
+    groups_of: dict[int, tuple[int, ...]]  # id(param) -> its param group in each of `optimizers` ({} when none)
     compute_dtype: torch.dtype  # what forward sees (the gathered buffer's dtype)
     reduce_dtype: torch.dtype  # gradients are reduced in this dtype
     layout: FlatLayout
@@ -39,7 +40,11 @@ class FlatSpec:
 
     @property
     def trainable(self) -> bool:
-        return self.group_index_of is not None
+        return bool(self.optimizers)
+
+    def group_in(self, param: nn.Parameter, optimizer: int) -> int:
+        """``param``'s param group in optimizer ``optimizer`` (one of :attr:`optimizers`)."""
+        return self.groups_of[id(param)][self.optimizers.index(optimizer)]
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -59,32 +64,33 @@ class FlatSpec:
 
 def plan_flat_params(
     units: list[UnitPlan],
-    owner: dict[int, tuple[int, int]],
+    owners: dict[int, tuple[tuple[int, int], ...]],
     policy: MixedPrecisionPolicy | None,
     world_size: int,
 ) -> list[list[FlatSpec]]:
-    """Per unit, its FlatSpecs. ``owner``: id(param) → (optimizer index, param group index) for optimized
-    parameters; ``world_size``: the ranks each FlatParam is sharded over."""
-    return [_unit_specs(unit, owner, policy, world_size) for unit in units]
+    """Per unit, its FlatSpecs. ``owners``: id(param) → its (optimizer index, param group index) in every optimizer
+    that holds it, ascending by optimizer; ``world_size``: the ranks each FlatParam is sharded over."""
+    return [_unit_specs(unit, owners, policy, world_size) for unit in units]
 
 
 def _unit_specs(
-    unit: UnitPlan, owner: dict[int, tuple[int, int]], policy: MixedPrecisionPolicy | None, world_size: int
+    unit: UnitPlan, owners: dict[int, tuple[tuple[int, int], ...]], policy: MixedPrecisionPolicy | None,
+    world_size: int,
 ) -> list[FlatSpec]:
     keep_fp32 = policy.full_precision_params(unit.module) if policy else set()
-    kinds: dict[tuple[torch.dtype, torch.dtype, int | None], list[tuple[str, nn.Parameter]]] = {}
+    kinds: dict[tuple[torch.dtype, torch.dtype, tuple[int, ...]], list[tuple[str, nn.Parameter]]] = {}
     for name, param in unit.named_params:
-        optimized = param.requires_grad and id(param) in owner
+        held = owners.get(id(param), ()) if param.requires_grad else ()
         compute = param.dtype if policy is None or id(param) in keep_fp32 else policy.compute_dtype_for(param)
-        kinds.setdefault((param.dtype, compute, owner[id(param)][0] if optimized else None), []).append((name, param))
+        kinds.setdefault((param.dtype, compute, tuple(o for o, _ in held)), []).append((name, param))
     specs: list[FlatSpec] = []
-    for position, ((_, compute, optimizer_index), named) in enumerate(kinds.items()):
-        group_of = None
-        if optimizer_index is not None:
-            named.sort(key=lambda item: owner[id(item[1])][1])  # one contiguous range per param group
-            group_of = {id(p): owner[id(p)][1] for _, p in named}
+    for position, ((_, compute, optimizers), named) in enumerate(kinds.items()):
+        groups_of = {id(p): tuple(g for _, g in owners[id(p)]) for _, p in named} if optimizers else {}
+        # Sorted by the tuple of groups: each combination of groups is one contiguous range (the first optimizer's
+        # groups are contiguous runs), so master pieces are cut only where some optimizer's group changes.
+        named.sort(key=lambda item: groups_of.get(id(item[1]), ()))
         layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named], world_size)
         reduce_dtype = policy.reduce_dtype if policy is not None else compute
-        specs.append(FlatSpec(f"{unit.name}/{position}", unit.name, tuple(named), group_of, optimizer_index,
+        specs.append(FlatSpec(f"{unit.name}/{position}", unit.name, tuple(named), optimizers, groups_of,
                               compute, reduce_dtype, layout))
     return specs

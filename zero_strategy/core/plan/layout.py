@@ -5,7 +5,7 @@ Pure integer arithmetic, no tensors and no communication, so it can be unit-test
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -94,18 +94,19 @@ class FlatLayout:
 
 
 def group_ranges(
-    layout: FlatLayout, params: Sequence[nn.Parameter], group_index_of: dict[int, int]
-) -> list[tuple[int, tuple[int, int]]]:
-    """(optimizer group index, (start, end)) ranges of ``layout``'s flat buffer, one per group: the parameters
-    were sorted by group, so each group's parameters are contiguous (checked)."""
-    ranges: list[tuple[int, tuple[int, int]]] = []
+    layout: FlatLayout, params: Sequence[nn.Parameter], groups_of: Mapping[int, tuple[int, ...]]
+) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
+    """(param groups, (start, end)) ranges of ``layout``'s flat buffer, one per combination of param groups (a
+    parameter's group in each optimizer that steps it): the parameters were sorted by it, so each combination's
+    parameters are contiguous (checked)."""
+    ranges: list[tuple[tuple[int, ...], tuple[int, int]]] = []
     for span, param in zip(layout.spans, params, strict=True):
-        index = group_index_of[id(param)]
-        if ranges and ranges[-1][0] == index and ranges[-1][1][1] == span.offset:
-            ranges[-1] = (index, (ranges[-1][1][0], span.end))
+        groups = groups_of[id(param)]
+        if ranges and ranges[-1][0] == groups and ranges[-1][1][1] == span.offset:
+            ranges[-1] = (groups, (ranges[-1][1][0], span.end))
         else:
-            ranges.append((index, (span.offset, span.end)))
-    seen = [index for index, _ in ranges]
+            ranges.append((groups, (span.offset, span.end)))
+    seen = [groups for groups, _ in ranges]
     if len(seen) != len(set(seen)):
-        raise AssertionError("parameters of one optimizer group must be contiguous in a FlatParam")
+        raise AssertionError("parameters of one combination of param groups must be contiguous in a FlatParam")
     return ranges

@@ -19,7 +19,7 @@ class TrainingState(Enum):
 
 
 class ZeroUnit:
-    """The parameters one module stores, split into FlatParams by kind (dtype × which optimizer steps them; see
+    """The parameters one module stores, split into FlatParams by kind (dtype × which optimizers step them; see
     core/plan/flat_specs.py)."""
 
     def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam]) -> None:
@@ -35,10 +35,6 @@ class ZeroUnit:
     def is_root(self) -> bool:
         return self.name == ""
 
-    @property
-    def optimizer_index(self) -> list[int | None]:
-        """Parallel to ``flat_params``: the optimizer that steps each (None: none)."""
-        return [flat.spec.optimizer_index for flat in self.flat_params]
 
     @property
     def whole(self) -> bool:
@@ -67,11 +63,11 @@ class ZeroUnit:
         optimizer_index: int | None = None,
         force: Callable[[FlatParam], bool] | None = None,
     ) -> None:
-        """Start reduce-scattering pending gradients (of one optimizer's FlatParams, or all); :meth:`finish_reduce`
-        waits and accumulates them. ``force(flat)`` True: reduce that FlatParam even without a local gradient (a
-        peer may have one)."""
+        """Start reduce-scattering pending gradients (of the FlatParams one optimizer steps, or all);
+        :meth:`finish_reduce` waits and accumulates them. ``force(flat)`` True: reduce that FlatParam even without a
+        local gradient (a peer may have one)."""
         for flat in self.flat_params:
-            if flat.trainable and (optimizer_index is None or flat.spec.optimizer_index == optimizer_index):
+            if flat.trainable and (optimizer_index is None or optimizer_index in flat.optimizers):
                 flat.grads.start_reduce(force=force is not None and force(flat))
 
     def finish_reduce(self) -> None:

@@ -32,7 +32,7 @@ from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.runtime.compile_check import warn_compiled_around_units
 from zero_strategy.core.runtime.unit import ZeroUnit
 from zero_strategy.core.step.hybrid import adopt_first_replica
-from zero_strategy.core.step.optimizer import check_optimizer, param_group_index
+from zero_strategy.core.step.optimizer import check_optimizer, param_owners
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ def build_parts(
     comms = CommPlan(config, layout, device, offloaded, CommunicationLog(topology=layout.topology))
     try:
         placement = make_placement(config, device, plans, comms.group.rank)
-        specs = plan_flat_params(plans, param_group_index(optimizers), policy, comms.group.size)
+        specs = plan_flat_params(plans, param_owners(optimizers), policy, comms.group.size)
         every_spec = [spec for unit_specs in specs for spec in unit_specs]
         host_fulls = comms.host_shared_buffers(every_spec) if stage.reshards_parameters else None
         comms.finish([spec for spec in every_spec if spec.trainable])

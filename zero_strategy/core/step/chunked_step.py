@@ -50,7 +50,8 @@ def chunked_step(optimizer: Optimizer, chunk_numel: int, store: NvmeStore) -> No
             ])  # fmt: skip
             optimizer.step()
             for piece, view, start in owners:
-                _store_chunk_state(saved, piece, optimizer.state[view], start, store, scalars)
+                name = f"state-{id(optimizer)}-{id(piece)}"  # two optimizers stepping one piece: two files
+                _store_chunk_state(saved, piece, optimizer.state[view], start, (store, name), scalars)
             store.release_pages()
     finally:
         optimizer.state = saved
@@ -84,14 +85,17 @@ def _copy(value: object) -> object:
 
 
 def _store_chunk_state(
-    saved: dict, piece: nn.Parameter, new: dict[str, object], start: int, store: NvmeStore, scalars: dict
+    saved: dict, piece: nn.Parameter, new: dict[str, object], start: int, files: tuple[NvmeStore, str],
+    scalars: dict,
 ) -> None:
-    """Write one chunk's updated state back into the piece's file-backed state."""
+    """Write one chunk's updated state back into the piece's file-backed state (``files``: the store and the
+    name prefix of this optimizer's files for this piece)."""
+    store, prefix = files
     state = saved.setdefault(piece, {})
     for key, value in new.items():
         if isinstance(value, Tensor) and value.dim() > 0:
             if key not in state:
-                state[key] = store.tensor(f"state-{id(piece)}-{key}", piece.numel(), value.dtype).view_as(piece)
+                state[key] = store.tensor(f"{prefix}-{key}", piece.numel(), value.dtype).view_as(piece)
             target = state[key].reshape(-1)[start : start + value.numel()]
             if target.data_ptr() != value.data_ptr():
                 target.copy_(value.reshape(-1))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 from functools import partial
@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.grad_reads import watching
 from zero_strategy.core.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
@@ -74,6 +75,19 @@ class StepWindow:
         self.skipped = True
 
 
+_LIVE_ENGINES: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()  # engines sharding a module now (not released)
+
+
+def engine_of(module: nn.Module) -> ZeroEngine | None:
+    """The engine that shards ``module``'s parameters now (``module`` may be the sharded module or a part of it),
+    or None."""
+    wanted = {id(param) for param in module.parameters()}
+    for engine in list(_LIVE_ENGINES):
+        if engine.state is EngineState.SHARDING and wanted & engine.parameter_names().keys():
+            return engine
+    return None
+
+
 class ZeroEngine:
     """Owns the units of one module, the hooks that drive them, and the binding of the user's optimizers."""
 
@@ -113,7 +127,8 @@ class ZeroEngine:
             self.after_load()  # loaded or replayed slices reach the module (and the host's buffers) before use
         self._sync_buffers()
         for index, optimizer in enumerate(self.optimizers):
-            bind_optimizer(optimizer, list(self.windows.flats_of(index)), partial(self.windows.on_zero_grad, index))
+            flats = list(self.windows.flats_of(index))
+            bind_optimizer(optimizer, index, flats, partial(self.windows.on_zero_grad, index))
             install_fused_steps(optimizer, config.fused_optimizer)
         self.state = EngineState.SHARDING
         self._released_full = False  # what the release left in the module (returned again by a second release)
@@ -126,6 +141,7 @@ class ZeroEngine:
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
         for unit in self.units:
             unit.release_gathered()
+        _LIVE_ENGINES.add(self)
 
     # ---------------------------------------------------------------------------------------------- what it holds
     @property
@@ -137,10 +153,11 @@ class ZeroEngine:
     def flat_params(self) -> list[FlatParam]:
         return [flat for unit in self.units for flat in unit.flat_params]
 
-    def named_flat_params(self) -> Iterator[tuple[str, FlatParam, int | None]]:
-        """(stable key, FlatParam, optimizer index) for every FlatParam, in unit order (checkpoints use the key)."""
+    def named_flat_params(self) -> Iterator[tuple[str, FlatParam, tuple[int, ...]]]:
+        """(stable key, FlatParam, the optimizers that step it) for every FlatParam, in unit order (checkpoints use
+        the key)."""
         for flat in self.flat_params:
-            yield flat.spec.key, flat, flat.spec.optimizer_index
+            yield flat.spec.key, flat, flat.optimizers
 
     def parameter_names(self) -> dict[int, str]:
         """``id(param)`` → the canonical name under which checkpoints store it."""
@@ -198,6 +215,18 @@ class ZeroEngine:
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The norm of the full gradient across all ranks' slices (see core/step/gradients.py). Collective."""
         return self.windows.grad_norm(self.optimizer_index(optimizer), norm_type)
+
+    def parameter_grad_norms(self, params: list[nn.Parameter], norm_type: float = 2.0) -> list[Tensor | None]:
+        """Per parameter of this module, the ``norm_type``-norm of its gradient averaged over every rank and
+        accumulated since it was last cleared (what the step uses), or None where no rank produced one (or no
+        optimizer steps it). Gradients still waiting on the module (stage 1) are reduced first, without ending any
+        optimizer's accumulation. Collective: every rank passes the same parameters (see zero_strategy.grad_norm)."""
+        return self.windows.parameter_grad_norms(params, norm_type)
+
+    def watching_grad_reads(self) -> AbstractContextManager[None]:
+        """For the block's duration, reads of ``p.grad`` at stages 1/2 warn where the gradient is not what DDP's
+        would be (stage 3 always checks them outside forward): see [Note: reading p.grad under ZeRO]."""
+        return watching(self.flat_params)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         return self.windows.clip_grad_norm(self.optimizer_index(optimizer), max_norm, norm_type)
@@ -284,6 +313,7 @@ class ZeroEngine:
                 gather_into_module(flat)
             else:
                 leave_sharded(flat)
+        _LIVE_ENGINES.discard(self)
         self._closer()  # the comms' threads and shared mappings end with the engine's hold on the module
         self.state, self._released_full = EngineState.RELEASED, full
         if self.placement is not None and self.placement.store is not None:

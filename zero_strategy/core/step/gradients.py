@@ -1,4 +1,4 @@
-"""Gradient maths on master slices: the global norm, clipping, unscaling and the overflow check.
+"""Gradient maths on master slices: the global norm, per-parameter norms, clipping and the overflow check.
 
 Every rank holds a disjoint slice of every gradient (padding lies in no master piece, so it never counts), so a
 global quantity is a local reduction followed by one scalar all-reduce; the answers are the same on every rank,
@@ -52,17 +52,63 @@ def clip_by_value(pieces: list[nn.Parameter], clip_value: float) -> None:
         grad.clamp_(-clip_value, clip_value)
 
 
-def unscale_and_find_overflow(pieces: list[nn.Parameter], comm: Comm, inv_scale: float) -> bool:
-    """Multiply the gradients by ``inv_scale``; True if any rank holds an inf/NaN. Collective: all ranks agree."""
+def find_overflow(pieces: list[nn.Parameter], comm: Comm) -> bool:
+    """True if any rank's (unscaled) gradients hold an inf/NaN. Collective: all ranks agree."""
     grads = _grads(pieces)
     found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else comm.group.device)
     for grad in grads:
-        if inv_scale != 1.0:
-            grad.mul_(inv_scale)
         found += (~torch.isfinite(grad)).any().float()
     # The one host read of an fp16 step: whether to skip it is a host decision (torch's GradScaler reads its
     # found-inf flag the same way). bf16 and fp32 never get here.
     return bool(comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait().item() > 0)
+
+
+def parameter_grad_norms(
+    located: list[tuple[FlatParam, int] | None], comm: Comm, norm_type: float = 2.0
+) -> list[Tensor | None]:
+    """Per entry (a parameter as (its FlatParam, its index there), or None), the ``norm_type``-norm of its reduced
+    gradient across all ranks' slices, or None where no rank produced a gradient since it was last cleared (DDP's
+    ``p.grad`` is None there). One all-reduce of two numbers per parameter. Collective: every rank passes the same
+    parameters."""
+    if not located:
+        return []
+    device = comm.group.device
+    infinity = norm_type == float("inf")
+    parts: dict[int, dict[str, Tensor]] = {}  # id(flat) -> this rank's gradient slices, by parameter name
+    local: list[Tensor] = []
+    produced: list[float] = []
+    for entry in located:
+        value = torch.zeros((), dtype=torch.float64, device=device)
+        if entry is not None:
+            flat, index = entry
+            if id(flat) not in parts:
+                parts[id(flat)] = _local_grad_parts(flat)
+            grad = parts[id(flat)].get(flat.layout.spans[index].name)
+            if grad is not None and grad.numel() > 0:
+                magnitude = grad.to(device=device, dtype=torch.float64).abs()
+                value = magnitude.max() if infinity else magnitude.pow(norm_type).sum()
+        local.append(value)
+        produced.append(float(entry is not None and entry[0].grads.seen[entry[1]]))
+    both = torch.cat([torch.stack(local), torch.tensor(produced, dtype=torch.float64, device=device)])
+    total = comm.all_reduce(both, ReduceOp.MAX if infinity else ReduceOp.SUM, "per-parameter gradient norms").wait()
+    count = len(located)
+    norms = total[:count] if infinity else total[:count].pow(1.0 / norm_type)
+    return [norm.float() if used > 0 else None for norm, used in zip(norms, total[count:].tolist(), strict=True)]
+
+
+def _local_grad_parts(flat: FlatParam) -> dict[str, Tensor]:
+    """This rank's elements of each parameter's reduced gradient (parameters whose piece holds none are left out).
+    A parameter lies in one master piece: pieces are cut only where param groups change."""
+    found: dict[str, Tensor] = {}
+    pieces = list(zip(flat.master_pieces, flat.piece_offset, strict=True))
+    for overlap in flat.layout.overlaps(flat.rank):
+        for piece, offset in pieces:
+            if offset <= overlap.shard_start < offset + piece.numel():
+                if piece.grad is not None:
+                    start = overlap.shard_start - offset
+                    found[overlap.name] = piece.grad[start : start + overlap.numel]
+                break
+    return found
 
 
 def first_nonfinite_parameter(flats: Iterable[FlatParam], comm: Comm) -> str | None:

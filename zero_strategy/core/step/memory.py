@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from zero_strategy.core.flat.access import own_grad
 from zero_strategy.core.step.engine import ZeroEngine
 
 
@@ -58,7 +59,8 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
         if flat.secondary is not None:  # hierarchical stage 3's node-local copy
             param_tensors.append(flat.secondary.values)
     parameters = storage_bytes(param_tensors, seen) + host_wide
-    grad_tensors = [p.grad for flat in engine.flat_params for p in flat.params if p.grad is not None]
+    module_grads = [own_grad(p) for flat in engine.flat_params for p in flat.params]
+    grad_tensors = [g for g in module_grads if g is not None]
     # stage 1 under bf16/fp16 accumulates in fp32 here until the step (see GradientSlices.stash_grad)
     grad_tensors += [flat.grads.stash for flat in engine.flat_params if flat.grads.stash is not None]
     grad_tensors += [p.grad for flat in engine.flat_params for p in flat.master_pieces if p.grad is not None]

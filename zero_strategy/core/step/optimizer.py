@@ -64,20 +64,24 @@ def check_optimizer(optimizer: Optimizer, allow_untested: bool) -> None:
     )
 
 
-def param_group_index(optimizers: list[Optimizer]) -> dict[int, tuple[int, int]]:
-    """``id(param)`` → (optimizer index, param group index), refusing a parameter claimed twice."""
-    owner: dict[int, tuple[int, int]] = {}
+def param_owners(optimizers: list[Optimizer]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """``id(param)`` → its (optimizer index, param group index) in every optimizer that holds it, ascending by
+    optimizer. Several optimizers may hold one parameter (manual optimization alternating two optimizers over one
+    layer, a GAN whose generator's optimizer also covers a shared layer), as under DDP; one optimizer holds a
+    parameter in one group only (torch refuses otherwise; checked again here for groups edited by hand)."""
+    owners: dict[int, list[tuple[int, int]]] = {}
     for opt_index, optimizer in enumerate(optimizers):
         for group_index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                if id(param) in owner:
+                held = owners.setdefault(id(param), [])
+                if held and held[-1][0] == opt_index:
                     raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} appears twice in the optimizers' param groups "
-                        f"(optimizer {owner[id(param)][0]} group {owner[id(param)][1]} and optimizer {opt_index} "
-                        f"group {group_index}); ZeRO needs each parameter in exactly one group."
+                        f"a parameter of shape {tuple(param.shape)} appears twice in optimizer {opt_index}'s param "
+                        f"groups ({held[-1][1]} and {group_index}); ZeRO needs each parameter in one group of each "
+                        "optimizer that holds it."
                     )
-                owner[id(param)] = (opt_index, group_index)
-    return owner
+                held.append((opt_index, group_index))
+    return {key: tuple(held) for key, held in owners.items()}
 
 
 def repoint_param_groups(optimizer: Optimizer, pieces_by_group: dict[int, list[nn.Parameter]]) -> None:
@@ -144,13 +148,14 @@ def remove_zero_grad_hook(optimizer: Optimizer) -> None:
         del optimizer.zero_grad
 
 
-def bind_optimizer(optimizer: Optimizer, flats: list[FlatParam], on_zero_grad: Callable[[], None]) -> None:
-    """Make ``optimizer`` step the master pieces of ``flats`` (the FlatParams of its parameters) instead of the
-    module's parameters, carrying over any state it already holds (Adagrad creates some at construction)."""
+def bind_optimizer(optimizer: Optimizer, index: int, flats: list[FlatParam], on_zero_grad: Callable[[], None]) -> None:
+    """Make ``optimizer`` (the engine's optimizer ``index``) step the master pieces of ``flats`` (the FlatParams of
+    its parameters) instead of the module's parameters, carrying over any state it already holds (Adagrad creates
+    some at construction). A piece another optimizer steps too is listed by both; each keeps its own state."""
     existing = dict(optimizer.state)
     pieces_by_group: dict[int, list[nn.Parameter]] = {}
     for flat in flats:
-        for piece, group_index in zip(flat.master_pieces, flat.piece_group_index, strict=True):
+        for piece, group_index in zip(flat.master_pieces, flat.piece_group_in(index), strict=True):
             pieces_by_group.setdefault(group_index, []).append(piece)
     repoint_param_groups(optimizer, pieces_by_group)
     optimizer.state.clear()

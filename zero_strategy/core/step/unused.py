@@ -13,6 +13,11 @@ the ranks that did not use it, and is stepped everywhere. Ranks agree once per o
 bitmap of the parameters it produced a gradient for since the last step, and one all-reduce (MAX, one byte per
 parameter tensor of the optimizer; through the shared-memory counters on one host's CPU ranks) gives every rank the
 same answer, so every rank steps the same elements.
+
+A gradient stays until ``zero_grad()`` (an optimizer step does not consume it, as under torch), so "used" means
+"produced a gradient on some rank since the gradient was last cleared": an optimizer that steps again without
+``zero_grad()``, or a second optimizer stepping the same parameters, steps what DDP's would (see [Note: optimizers
+sharing parameters] in window.py).
 """
 
 from __future__ import annotations
@@ -31,25 +36,30 @@ from zero_strategy.core.flat.flat_param import FlatParam
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
 
 
-def agree_on_used(flats: list[FlatParam], comm: Comm) -> None:
+def agree_on_used(flats: list[FlatParam], comm: Comm, with_pending: bool = False) -> list[bool]:
     """Collective over ``comm`` (every rank of the run): make every FlatParam's ``grads.seen`` mean "some rank
-    produced a gradient for it this step"."""
+    produced a gradient for it since it was last cleared". With ``with_pending`` (stage 1, whose gradients wait on
+    the module) the same exchange also tells, per FlatParam, whether some rank holds gradients not reduced yet:
+    returned in ``flats``' order, so that every rank reduces the same FlatParams (empty without ``with_pending``)."""
     for flat in flats:
         flat.grads.note_local_use()
     seen = [seen for flat in flats for seen in flat.grads.seen]
-    if not seen:
-        return
-    bitmap = host_to_device(torch.tensor(seen, dtype=torch.uint8), comm.group.device, torch.uint8)
+    pending = [flat.grads.has_pending() for flat in flats] if with_pending else []
+    bits = seen + pending
+    if not bits:
+        return []
+    bitmap = host_to_device(torch.tensor(bits, dtype=torch.uint8), comm.group.device, torch.uint8)
     agreed_on_device = comm.all_reduce(bitmap, ReduceOp.MAX, "the used-parameter agreement").wait()
-    if all(seen):
+    if all(bits):
         # The maximum of a bitmap of ones is ones whatever the peers sent: nothing to read back, so the common
         # case (every parameter used here) costs no host synchronisation on a GPU.
-        return
+        return pending
     agreed = agreed_on_device.tolist()
     offset = 0
     for flat in flats:
         flat.grads.seen = [bool(used) for used in agreed[offset : offset + len(flat.grads.seen)]]
         offset += len(flat.grads.seen)
+    return [bool(flag) for flag in agreed[offset:]]
 
 
 def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:

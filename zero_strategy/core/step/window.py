@@ -15,6 +15,24 @@ Each optimizer's step moves through three phases, and every call checks the phas
   second barrier, or discards the step's gradients on every rank (a skipped fp16 step).
 
 ``zero_grad()`` (or a skipped step) returns the optimizer to ACCUMULATING from anywhere but STEPPING.
+
+[Note: optimizers sharing parameters]
+Several optimizers may step the same parameters (manual optimization alternating two optimizers over one layer; a
+GAN whose generator's optimizer also covers a layer the discriminator's holds), as under DDP, where they share each
+parameter's ``.grad``. Which state is shared and which is each optimizer's own:
+
+- per FlatParam, shared like DDP's ``.grad`` (core/flat/grads.py): the gradient itself (pending on the module at
+  stage 1, reduced into the master pieces), which parameters produced one since it was last cleared, the replica
+  average, the fp16 unscaling. It is reduced once per backward (stages 2/3), or by the first window that needs it
+  (stage 1), whichever optimizer's that is. A step does not consume it: an optimizer stepping after another without
+  ``zero_grad()`` in between steps with the same gradient, which is not unscaled a second time (DDP: the same
+  ``.grad``). ``zero_grad()`` of any optimizer that steps the FlatParam, or a skipped step, clears it for all of
+  them (DDP: ``.grad = None`` for everyone).
+- per optimizer (an :class:`OptimizerStep`): the phase, the agreed overflow answer of its step, the unused
+  elements it put aside, and its optimizer state: each optimizer lists the same master piece objects in its param
+  groups (pieces are cut wherever any optimizer's group changes) and torch keys its state by those objects. When a
+  FlatParam's gradient is cleared, every other optimizer stepping it that had agreed on it (REDUCED) goes back to
+  ACCUMULATING: what it agreed on is gone, and its next step agrees again.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -74,11 +93,17 @@ class StepWindows:
         self.chunk_numel = chunk_numel
         self.optimizers = optimizers
         self.steps = [OptimizerStep() for _ in optimizers]
+        # per optimizer, the other optimizers that step one of its FlatParams
+        self.sharing: list[set[int]] = [set() for _ in optimizers]
+        for flat in self.flats_of(None):
+            for index in flat.optimizers:
+                self.sharing[index].update(other for other in flat.optimizers if other != index)
 
     def flats_of(self, index: int | None) -> Iterator[FlatParam]:
+        """The FlatParams optimizer ``index`` steps (every FlatParam for None)."""
         for unit in self.units:
             for flat in unit.flat_params:
-                if index is None or flat.spec.optimizer_index == index:
+                if index is None or index in flat.optimizers:
                     yield flat
 
     def pieces_of(self, index: int) -> list[nn.Parameter]:
@@ -95,20 +120,26 @@ class StepWindows:
         return step
 
     # ------------------------------------------------------------------------------------ ACCUMULATING → REDUCED
-    def reduce(self, index: int) -> None:
+    def reduce(self, index: int, advance: bool = True) -> None:
         """Bring every gradient of optimizer ``index`` produced so far onto its master pieces (see the Note).
-        Collective: every rank calls it at the same point."""
+        ``advance=False`` (reading the gradients outside the step: per-parameter norms) leaves an ACCUMULATING
+        optimizer ACCUMULATING, so its step agrees again on what later backward passes add. Collective: every
+        rank calls it at the same point."""
         step = self.steps[index]
         force: Callable[[FlatParam], bool] | None = None
         if step.phase is StepPhase.ACCUMULATING:
             flats = list(self.flats_of(index))
+            holds_gradients = not self.stage.reduces_every_microstep  # stage 1: they wait on the module
             # a parameter used in one shard group is reduced over its replicas: the agreement spans every rank
-            agree_on_used(flats, self.comms.everyone)
-            self.comms.shard.verify_step()
-            step.phase = StepPhase.REDUCED
-            # stage 1: every rank reduces every FlatParam some rank used (zeros where it has no gradient), so the
-            # ranks issue the same reductions
-            force = None if self.stage.reduces_every_microstep else _used_by_some_rank
+            pending = agree_on_used(flats, self.comms.everyone, with_pending=holds_gradients)
+            if advance:
+                self.comms.shard.verify_step()
+                step.phase = StepPhase.REDUCED
+            if holds_gradients:
+                # every rank reduces every FlatParam some rank holds gradients for (zeros where it has none), so
+                # the ranks issue the same reductions
+                reduced = {id(flat) for flat, flag in zip(flats, pending, strict=True) if flag}
+                force = partial(_listed, reduced)
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
@@ -137,12 +168,24 @@ class StepWindows:
         gradients.clip_by_value(self.pieces_of(index), clip_value)
 
     def unscale_and_check_overflow(self, index: int, inv_scale: float) -> bool:
-        """Once per step (see ZeroEngine.unscale_and_check_overflow)."""
+        """Once per step (see ZeroEngine.unscale_and_check_overflow); each FlatParam's gradient is unscaled once,
+        whichever of its optimizers asks first (see [Note: optimizers sharing parameters])."""
         step = self.steps[index]
         if step.overflow is None:
             self.reduce(index)
-            step.overflow = gradients.unscale_and_find_overflow(self.pieces_of(index), self.comms.shard, inv_scale)
+            for flat in self.flats_of(index):
+                flat.grads.unscale(inv_scale)
+            step.overflow = gradients.find_overflow(self.pieces_of(index), self.comms.shard)
         return step.overflow
+
+    def parameter_grad_norms(self, params: list[nn.Parameter], norm_type: float) -> list[Tensor | None]:
+        """Per parameter, the norm of its gradient averaged over the ranks (None: no rank produced one since it was
+        last cleared, or no optimizer steps it). Collective (see ZeroEngine.parameter_grad_norms)."""
+        where = {id(p): (flat, i) for flat in self.flats_of(None) if flat.trainable for i, p in enumerate(flat.params)}
+        located = [where.get(id(param)) for param in params]
+        for index in sorted({o for entry in located if entry is not None for o in entry[0].optimizers}):
+            self.reduce(index, advance=False)
+        return gradients.parameter_grad_norms(located, self.comms.shard, norm_type)
 
     def first_nonfinite_param(self, index: int) -> str | None:
         return gradients.first_nonfinite_parameter(self.flats_of(index), self.comms.shard)
@@ -172,8 +215,7 @@ class StepWindows:
         step = self._expect(index, StepPhase.STEPPING, doing="publish the step")
         restore_unused(step.saved_unused)
         works = []
-        for flat in self.flats_of(index):
-            flat.grads.stepped()
+        for flat in self.flats_of(index):  # the gradients stay until zero_grad(), as torch leaves them
             if flat.keeps_full and not flat.storage.shard_aliases_full:  # the masters overwrite the parameters next
                 flat.in_place.check(OVERWRITTEN)  # see [Note: in-place changes outside the optimizer]
             flat.storage.refresh_device_source()
@@ -185,14 +227,24 @@ class StepWindows:
 
     def discard(self, index: int) -> None:
         """Any phase → ACCUMULATING, dropping every gradient of optimizer ``index`` (a skipped step changes
-        nothing; ``zero_grad``)."""
+        nothing; ``zero_grad``) — for every optimizer that steps one of its FlatParams too (see [Note: optimizers
+        sharing parameters])."""
         for flat in self.flats_of(index):
             flat.grads.discard()
         self.steps[index] = OptimizerStep()
+        for other in self.sharing[index]:
+            if self.steps[other].phase is StepPhase.REDUCED:  # what it agreed on is gone
+                self.steps[other] = OptimizerStep()
 
     def on_zero_grad(self, index: int) -> None:
         """See [Note: zero_grad reaches the module's gradients] in optimizer.py."""
         self._expect(index, StepPhase.ACCUMULATING, StepPhase.REDUCED, doing="zero_grad()")
+        stepping = [other for other in self.sharing[index] if self.steps[other].phase is StepPhase.STEPPING]
+        if stepping:
+            raise StepOrderError(
+                f"ZeRO: zero_grad() of optimizer {index} ({type(self.optimizers[index]).__name__}) would clear the "
+                f"gradients optimizer {stepping[0]} is stepping (they share parameters); call it after that step."
+            )
         self.discard(index)
 
     def barrier_for_host_wide_parameters(self, label: str) -> None:
@@ -202,5 +254,5 @@ class StepWindows:
             self.comms.shard.barrier(label).wait()
 
 
-def _used_by_some_rank(flat: FlatParam) -> bool:
-    return any(flat.grads.seen)
+def _listed(flat_ids: set[int], flat: FlatParam) -> bool:
+    return id(flat) in flat_ids

@@ -1,0 +1,107 @@
+"""Through Lightning: a GAN under manual optimization whose generator's optimizer also covers a layer the
+discriminator's holds, logging gradient norms in ``on_before_optimizer_step`` — against ``ddp_spawn``.
+
+ZeRO (zero1, and zero3 on one host's shared memory) ends with DDP's weights; ``zero_strategy.grad_norm(self, 2)``
+gives the keys and values Lightning's ``grad_norm`` gives under DDP at every step of both optimizers; and reading
+the shared layer's ``p.grad`` there (a tensor under DDP, None under ZeRO) raises a ``ShardedGradientWarning``.
+The engine-level tests (tests/distributed/test_shared_optimizers.py, test_grad_norm.py) cover the stages,
+patterns and transports; this is the same through the Trainer's hooks, in 3 fits.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.lit import NoiseAndReal, state_of, trainer_kwargs
+from helpers.models import assert_state_close
+from helpers.shared_optimizers import SharedGAN, gan_optimizers
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+from torch import nn
+from torch.utils.data import DataLoader
+
+import zero_strategy
+from zero_strategy import ZeroStrategy
+from zero_strategy.gradients import ShardedGradientWarning
+
+
+class SharedLayerGAN(pl.LightningModule):
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.out_dir = out_dir
+        self.net = SharedGAN()
+        self.norms: list[dict[str, float]] = []
+        self.shared_grad_is_none: list[bool] = []
+        self.warned = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        z, real = batch
+        opt_g, opt_d = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        d_fake = self.net.discriminate(self.net.generate(z))
+        self.manual_backward(bce(d_fake, torch.ones_like(d_fake)))  # reaches D's layers and the shared one
+        opt_g.step()
+        opt_g.zero_grad()  # the shared layer's gradient is gone for D too
+        opt_d.zero_grad()
+        d_real, d_fake = self.net.discriminate(real), self.net.discriminate(self.net.generate(z).detach())
+        self.manual_backward(bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake)))
+        opt_d.step()
+        opt_d.zero_grad()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = zero_strategy.grad_norm if isinstance(self.trainer.strategy, ZeroStrategy) else lightning_grad_norm
+        self.norms.append({key: float(value) for key, value in norm(self, 2).items()})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.shared_grad_is_none.append(self.net.shared.weight.grad is None)
+        self.warned = self.warned or any(issubclass(w.category, ShardedGradientWarning) for w in caught)
+
+    def on_train_end(self) -> None:
+        record = {"norms": self.norms, "none": self.shared_grad_is_none, "warned": self.warned}
+        Path(self.out_dir, f"records_rank{self.global_rank}.json").write_text(json.dumps(record))
+
+    def configure_optimizers(self) -> Any:
+        return gan_optimizers(self.net)
+
+
+def _fit(strategy: Any, out_dir: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    pl.seed_everything(0, verbose=False)
+    model = SharedLayerGAN(str(out_dir))
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=1,
+                                                            gradient_clip_val=None))
+    trainer.fit(model, DataLoader(NoiseAndReal(), batch_size=4))
+    records = [json.loads((out_dir / f"records_rank{rank}.json").read_text()) for rank in range(2)]
+    return state_of(model), records
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    state, records = _fit(DDPStrategy(start_method="spawn", find_unused_parameters=True),
+                          tmp_path_factory.mktemp("ddp"))
+    for record in records:  # 4 iterations, 2 optimizer steps each; under DDP p.grad is there and nothing is said
+        assert len(record["norms"]) == 8 and not any(record["none"]) and not record["warned"]
+        assert all("grad_2.0_norm/net.disc.0.weight" in norms for norms in record["norms"][::2])  # G's loss reached D
+        assert not any("grad_2.0_norm/net.gen.0.weight" in norms for norms in record["norms"][1::2])  # cleared
+    return state, records
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shared_layer_gan_matches_ddp_with_its_gradient_norms(ddp_run: tuple, stage: int, tmp_path: Path) -> None:
+    ddp_state, ddp_records = ddp_run
+    state, records = _fit(ZeroStrategy(stage=stage, start_method="spawn", process_group_timeout_s=60), tmp_path)
+    assert_state_close(state, ddp_state, rel=1e-5, what=f"shared-layer GAN, stage {stage} vs ddp_spawn")
+    for rank, (got, want) in enumerate(zip(records, ddp_records, strict=True)):
+        assert len(got["norms"]) == len(want["norms"])
+        for step, (ours, theirs) in enumerate(zip(got["norms"], want["norms"], strict=True)):
+            assert list(ours) == list(theirs), f"rank {rank}, step {step}: {sorted(set(ours) ^ set(theirs))}"
+            for key, value in theirs.items():
+                assert abs(ours[key] - value) <= 1e-5 * max(1.0, value), f"rank {rank}, step {step}, {key}"
+        assert all(got["none"]) and got["warned"]  # p.grad is None here under ZeRO, and a warning says why
