@@ -55,6 +55,10 @@ def outside_worker(rank: int, world: int, collectives: str) -> dict:
     out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}  # gathers, every rank
     out["submodule_state_dict"] = {k: v.clone() for k, v in model.blocks[0].state_dict().items()}
     out["deepcopy"] = clone_state(copy.deepcopy(model))  # gathers, every rank
+    # a submodule holding root-unit parameters (the embedding) carries the engine's hooks: its copy is plain
+    emb_copy = copy.deepcopy(model.emb)
+    out["submodule_deepcopy"] = clone_state(emb_copy)
+    out["copy_hooks_inert"] = emb_copy(torch.zeros(1, 2, dtype=torch.long)).shape
     try:
         model.blocks[1].fc.weight.clone()
         out["read"] = "no error"
@@ -91,6 +95,9 @@ def test_parameters_outside_forward_are_gathered_or_refused_never_garbage(collec
                 torch.testing.assert_close(r[what][key], value, rtol=1e-5, atol=1e-6, msg=f"{what} {key}")
         for key, value in r["submodule_state_dict"].items():
             torch.testing.assert_close(value, ref[f"blocks.0.{key}"], rtol=1e-5, atol=1e-6)
+        for key, value in r["submodule_deepcopy"].items():
+            torch.testing.assert_close(value, ref[f"emb.{key}"], rtol=1e-5, atol=1e-6)
+        assert r["copy_hooks_inert"][:2] == (1, 2)
         assert "blocks.1.fc.weight" in r["read"] and "gathered_parameters()" in r["read"], r["read"]
         torch.testing.assert_close(r["gathered_read"], ref["blocks.1.fc.weight"], rtol=1e-5, atol=1e-6)
         assert r["metadata"] == (tuple(ref["blocks.1.fc.weight"].shape), ref["blocks.1.fc.weight"].numel(), True)
