@@ -16,6 +16,7 @@ import torchmetrics
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+import zero_strategy
 from helpers.models import SEQ, VOCAB, TiedLM, lm_loss
 from helpers.storage import private_storage_bytes
 
@@ -91,9 +92,10 @@ class LitTiedLM(pl.LightningModule):
         self.seen.append([])
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:  # DDP: full gradients on the module (under ZeRO they live on the master slices)
-            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        # DDP: from p.grad; ZeRO: from the master slices' gradients (a collective, every rank calls it here)
+        norms = zero_strategy.grad_norm(self, 2)
+        if norms:
+            self.grad_norms.append(norms["grad_2.0_norm_total"].item())
 
     def on_train_end(self) -> None:
         strategy = self.trainer.strategy

@@ -59,6 +59,8 @@ def test_fit_matches_ddp(runs, name):
     model, _, out_dir = runs(name)
     assert [r["reports"]["global_step"] for r in read_rank_files(out_dir, "train")] == [6, 6]
     assert_state_close(state_of(model), state_of(ddp_model), rel=1e-5, what=f"{name} vs ddp_spawn")
+    for rank_file in read_rank_files(out_dir, "train"):  # zero_strategy.grad_norm before each step: DDP's
+        assert rank_file["grad_norms"] == pytest.approx(norms, rel=1e-5), f"{name}: gradient norms before the step"
 
 
 @pytest.mark.timeout(150)
