@@ -165,6 +165,10 @@ class GeneratorStates:
             self._last_set[generator_key(generator)] = (generator, state)
         return placeholder
 
+    def tracked(self) -> list[torch.Generator]:
+        """The generators whose states this recording writes down (the default one and explicit ones it saw)."""
+        return [generator for generator, _ in self._last_set.values()]
+
     def changed_unseen(self) -> torch.Generator | None:
         """A tracked generator whose state moved since the recording last wrote it down (None: all as expected)."""
         for key, (generator, _) in self._last_set.items():

@@ -156,11 +156,11 @@ def bind_optimizer(optimizer: Optimizer, flats: list[FlatParam], on_zero_grad: C
     optimizer.state.clear()
     if existing:
         for flat in flats:
-            _carry_state_over(optimizer, flat, existing)
+            carry_state_over(optimizer, flat, existing)
     install_zero_grad_hook(optimizer, on_zero_grad)
 
 
-def _carry_state_over(optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
+def carry_state_over(optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
     """Give each master piece the slices of the state its parameters already had."""
     by_name = dict(zip(flat.names, flat.params, strict=True))
     overlaps = flat.layout.overlaps(flat.rank)

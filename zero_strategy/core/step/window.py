@@ -65,8 +65,10 @@ class StepWindows:
 
     def __init__(
         self, units: list[ZeroUnit], stage: ZeroStage, comms: CommPlan, placement: Placement | None,
-        chunk_numel: int, optimizers: list[Optimizer],
+        chunk_numel: int, optimizers: list[Optimizer], gradients_held: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``gradients_held``: whether a backward left gradients on the module that no reduction took yet (see
+        [Note: gradients held on the module] in runtime/backward_reductions.py)."""
         self.units = units
         self.stage = stage
         self.comms = comms
@@ -74,6 +76,7 @@ class StepWindows:
         self.chunk_numel = chunk_numel
         self.optimizers = optimizers
         self.steps = [OptimizerStep() for _ in optimizers]
+        self.gradients_held = gradients_held
 
     def flats_of(self, index: int | None) -> Iterator[FlatParam]:
         for unit in self.units:
@@ -106,9 +109,10 @@ class StepWindows:
             agree_on_used(flats, self.comms.everyone)
             self.comms.shard.verify_step()
             step.phase = StepPhase.REDUCED
-            # stage 1: every rank reduces every FlatParam some rank used (zeros where it has no gradient), so the
-            # ranks issue the same reductions
-            force = None if self.stage.reduces_every_microstep else _used_by_some_rank
+            # stage 1 (and stages 2/3 after a backward that held its gradients on the module): every rank reduces
+            # every FlatParam some rank used (zeros where it has no gradient), so the ranks issue the same reductions
+            holds = not self.stage.reduces_every_microstep or self.gradients_held()
+            force = _used_by_some_rank if holds else None
         # All units' reductions are posted before the first wait: stage 1 holds every full gradient anyway, and
         # flattening releases the `.grad` it copies, so this costs no memory and lets the exchanges overlap.
         for unit in self.units:
