@@ -222,5 +222,6 @@ def load_raw_module(engine: ZeroEngine, path: Path, strict: bool) -> None:
     with open_pretrained(path) as source:
         match = match_keys(source, expected_shapes(module), strict, alias_groups(module), str(source.path))
         plan = {name: (source, source_name) for name, source_name in match.plan.items()}
+        engine.before_load()
         load_pretrained(module, engine.flat_params, Pretrained(plan), engine.ctx.rank)
     engine.after_load()

@@ -86,9 +86,16 @@ class ShardedModules:
         [Note: optimizers set up after their module]). Collective."""
         item = self._owner(optimizer)
         old = item.engine
+        stepped = [type(o).__name__ for o in old.optimizers if o.state]
+        if stepped:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} is set up after {stepped} already stepped: set up every optimizer of a "
+                "module before the first step (fabric.setup_optimizers(opt1, opt2))."
+            )
         optimizers = [*old.optimizers, optimizer]
         keep_slices = _same_layout(old, optimizers)
         full = old.release(full=not keep_slices)
+        _point_back_at_parameters(old)  # the optimizers held the released engine's master pieces
         device = self._device()
         values = take_back_released(InitialValues(device=device), item.module, None if full else old, device)
         item.engine = self._build(item.module, item.entry, optimizers, values)
@@ -127,3 +134,16 @@ def _same_layout(engine: ZeroEngine, optimizers: list[Optimizer]) -> bool:
                 return False
             kinds.add(kind)
     return True
+
+
+def _point_back_at_parameters(engine: ZeroEngine) -> None:
+    """Give each of ``engine``'s optimizers the module's parameters again, group by group (binding had pointed its
+    param groups at the engine's master pieces), so that a new engine binds them afresh. They hold no state yet."""
+    for index, optimizer in enumerate(engine.optimizers):
+        groups: dict[int, list[nn.Parameter]] = {}
+        for flat in engine.flat_params:
+            if flat.spec.optimizer_index == index:
+                for param, group in zip(flat.params, flat.param_group_index, strict=True):
+                    groups.setdefault(int(group or 0), []).append(param)
+        for position, group in enumerate(optimizer.param_groups):
+            group["params"] = groups.get(position, [])

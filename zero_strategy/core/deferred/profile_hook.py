@@ -7,7 +7,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -15,8 +15,17 @@ from torch import Tensor
 from zero_strategy.core.deferred.generators import RESEEDING_METHODS
 from zero_strategy.core.deferred.where import module_code_in_frames
 
-if TYPE_CHECKING:
-    from zero_strategy.core.deferred.record import Recording
+
+class Recording(Protocol):
+    """What the hook writes to (core/deferred/record.py's Recording; a protocol, so the two modules import one way)."""
+
+    _black_box_frame: types.FrameType | None
+
+    def record_black_box(self, fn: Callable[..., Any], bound: dict[str, Any], where: str) -> None: ...
+
+    def record_set_state(self, generator: torch.Generator, where: str) -> None: ...
+
+    def check_seed_read(self, generator: torch.Generator, where: str) -> None: ...
 
 # [Note: nn.init functions that skip meta tensors]
 # In torch 2.13, `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once when given a meta

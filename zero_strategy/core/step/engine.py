@@ -126,7 +126,7 @@ class ZeroEngine:
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
         # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict ...])
-        self.state_dict_loads = StateDictLoads(module, self.flat_params, self.after_load)
+        self.state_dict_loads = StateDictLoads(module, self.flat_params, self.before_load, self.after_load)
         for unit in self.units:
             unit.release_gathered()
 
@@ -148,6 +148,12 @@ class ZeroEngine:
     def parameter_names(self) -> dict[int, str]:
         """``id(param)`` → the canonical name under which checkpoints store it."""
         return {id(p): name for flat in self.flat_params for name, p in zip(flat.names, flat.params, strict=True)}
+
+    def before_load(self) -> None:
+        """Slices are about to be overwritten outside a step (a checkpoint or state dict load): on one host at stage 3
+        every peer must be done reading our slice of the host-wide parameters first (see [Note: shared-memory
+        gathers]). Collective; nothing when the parameters are private."""
+        self.windows.barrier_for_host_wide_parameters("before a load")
 
     def after_load(self) -> None:
         """Slices were overwritten (checkpoint load, sharded construction): make the module reflect them again."""

@@ -8,8 +8,9 @@ written for one process or for DDP calls it anyway (litgpt's ``load_checkpoint``
 the engine hooks every module's ``load_state_dict``: each parameter it owns is taken out of the state dict before
 torch sees it, this rank's element ranges of the given value are written into the master slices (in the masters'
 dtype: an fp32 file loads into fp32 masters unrounded), its shape is checked as torch checks it, and its key is
-not reported missing. Buffers load as torch loads them. When the outermost call returns, the slices are published
-to the module (stages 1/2 gather them), so it is a collective: every rank loads, as every rank loads under DDP.
+not reported missing. Buffers load as torch loads them. Before the first write every rank waits for its peers to be
+done reading the host-wide parameters (stage 3 on one host), and when the outermost call returns the slices are
+published to the module (stages 1/2 gather them), so it is a collective: every rank loads, as under DDP.
 ``assign=True`` would replace the parameter objects the engine owns, and is refused.
 """
 
@@ -29,9 +30,10 @@ class StateDictLoads:
     """Installs and owns the ``load_state_dict`` hooks of one engine (see [Note: loading a full state dict into the
     shards])."""
 
-    def __init__(self, module: nn.Module, flats: list[FlatParam], after_load: Callable[[], None]) -> None:
+    def __init__(self, module: nn.Module, flats: list[FlatParam], before_load: Callable[[], None],
+                 after_load: Callable[[], None]) -> None:
         self._owner_of = {id(param): (flat, index) for flat in flats for index, param in enumerate(flat.params)}
-        self._after_load = after_load
+        self._before_load, self._after_load = before_load, after_load
         self._handles: list[RemovableHandle] = []
         self._depth = 0
         self._taken: set[str] = set()  # keys written into the slices during the current outermost call
@@ -60,6 +62,8 @@ class StateDictLoads:
                     "assign (the values are written into this rank's slices)."
                 )
             value = state_dict.pop(key)
+            if not self._taken:
+                self._before_load()  # every rank: peers done reading the slices this writes
             self._taken.add(key)
             if not isinstance(value, Tensor) or value.shape != param.shape:
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
