@@ -143,7 +143,7 @@ def _point_back_at_parameters(engine: ZeroEngine) -> None:
         groups: dict[int, list[nn.Parameter]] = {}
         for flat in engine.flat_params:
             if flat.spec.optimizer_index == index:
-                for param, group in zip(flat.params, flat.param_group_index, strict=True):
-                    groups.setdefault(int(group or 0), []).append(param)
-        for position, group in enumerate(optimizer.param_groups):
-            group["params"] = groups.get(position, [])
+                for param, group_index in zip(flat.params, flat.param_group_index, strict=True):
+                    groups.setdefault(int(group_index or 0), []).append(param)
+        for position, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = groups.get(position, [])
