@@ -111,7 +111,7 @@ class _Tokenizer:
 
 
 def _sft_batches(count: int, seed: int) -> list[dict[str, Any]]:
-    tokens = _tokens(count, seed)
+    tokens = _tokens(count, seed)[:, :SEQ]  # the model attends to at most SEQ tokens
     return [{"input_ids": row, "labels": row.clone()} for row in tokens]
 
 
@@ -144,8 +144,9 @@ def finetune(fabric: Fabric, checkpoint_dir: Path, out_dir: Path, optimizer: dic
     module.get_dataloaders = lambda fabric, *args, **kwargs: _finetune_loaders(fabric, micro_batch)
     world = fabric.world_size
     train = TrainArgs(save_interval=None, log_interval=100, global_batch_size=micro_batch * 2 * world,
-                      micro_batch_size=micro_batch, lr_warmup_steps=1, epochs=2, max_steps=3, max_seq_length=SEQ + 1)
-    evaluation = EvalArgs(interval=1000, max_iters=1, initial_validation=False, final_validation=False)
+                      micro_batch_size=micro_batch, lr_warmup_steps=1, epochs=2, max_steps=3, max_seq_length=SEQ)
+    evaluation = EvalArgs(interval=1000, max_iters=1, initial_validation=False, final_validation=False,
+                          max_new_tokens=4)
     data = type("Data", (), {"prompt_style": Default()})()
     module.main(fabric, devices=world, resume=False, seed=11, config=tiny_config(), data=data,
                 checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=evaluation, optimizer=optimizer)

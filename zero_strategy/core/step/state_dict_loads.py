@@ -20,7 +20,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.overrides import is_tensor_like
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
@@ -65,8 +67,8 @@ class StateDictLoads:
             if not self._taken:
                 self._before_load()  # every rank: peers done reading the slices this writes
             self._taken.add(key)
-            if not isinstance(value, Tensor) or value.shape != param.shape:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            if not is_tensor_like(value) or tuple(value.shape) != tuple(param.shape):  # lazily loaded ones too
+                shape = tuple(value.shape) if is_tensor_like(value) else type(value).__name__
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
                                   f"the shape in current model is {tuple(param.shape)}.")
                 continue
@@ -85,7 +87,7 @@ class StateDictLoads:
 def _write_own_ranges(flat: FlatParam, index: int, value: Tensor) -> None:
     """This rank's element ranges of parameter ``index`` of ``flat`` from its whole ``value``."""
     name = flat.names[index]
-    values = value.detach().reshape(-1)
+    values = torch.reshape(value, (-1,)).detach()  # a torch function: a lazily loaded tensor loads itself here
     for overlap in flat.layout.overlaps(flat.rank):
         if overlap.name == name:
             part = values[overlap.param_start : overlap.param_start + overlap.numel]
