@@ -48,7 +48,8 @@ def litgpt_runs(rank: int, world: int, root: str) -> dict:
     base = Path(root)
     out: dict = {}
     for name in NAMES:
-        out[("pretrain sgd", name)] = pretrain(make_fabric(_strategy(name, full=True), world), base / f"sgd-{name}", SGD)
+        out[("pretrain sgd", name)] = pretrain(make_fabric(_strategy(name, full=True), world),
+                                               base / f"sgd-{name}", SGD)
         out[("pretrain adamw", name)] = pretrain(make_fabric(_strategy(name, full=False), world),
                                                  base / f"adamw-{name}", ADAMW)
     # resume zero3's step-2 checkpoint under zero2, in a fresh output directory
