@@ -105,6 +105,11 @@ def each_strategy(rank: int, world: int) -> dict:
         if name != "ddp":
             out[(name, "split")] = _adamw_norm(name, world, split=True)
             out[(name, "two_split")] = _two_optimizers(name, world, split=True)
+    fabric = make_fabric("zero3", world)  # Fabric's collectives go through the strategy as under DDP
+    mine = torch.tensor([float(rank + 1)])
+    out["collectives"] = (fabric.all_reduce(mine.clone(), reduce_op="sum"), fabric.all_gather(mine),
+                          fabric.broadcast(f"from {rank}", src=world - 1))
+    fabric.barrier()
     # split set-up of a model whose params an explicit ZeroFabricStrategy keeps (one unit: the layout-keeping path)
     out["split_one_unit"] = _adamw_norm(ZeroFabricStrategy(stage=3, unit_modules=["Net"]), world, split=True)
     return out
@@ -133,5 +138,9 @@ def test_every_stage_matches_fabric_ddp(world: int) -> None:
         assert_state_close(got[(stage, "teacher")]["teacher"], ddp["teacher"]["teacher"], rel=0.0,
                            what=f"{what}: the frozen teacher is unchanged")
     assert_state_close(got["split_one_unit"]["weights"], ddp["norm"]["weights"], what="split set-up, one unit")
+    for rank, rank_result in enumerate(results):
+        reduced, gathered, received = rank_result["collectives"]
+        assert float(reduced) == world * (world + 1) / 2 and received == f"from {world - 1}", (rank, reduced, received)
+        assert gathered.reshape(-1).tolist() == [float(r + 1) for r in range(world)], (rank, gathered)
     for rank_result in results[1:]:  # every rank ends with the same full weights
         assert_state_close(rank_result[("zero3", "norm")]["weights"], got[("zero3", "norm")]["weights"], rel=0.0)

@@ -66,13 +66,13 @@ def sort_state(state: dict[str, Any], modules: ShardedModules) -> SortedState:
     """Which entries of ``state`` ZeRO holds (the set-up module, its optimizers) and which are Fabric's."""
     sorted_state = SortedState()
     for key, obj in state.items():
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, nn.Module) and modules.holds(obj):
             if sorted_state.item is not None:
                 raise ValueError(f"the state holds two modules set up by the ZeRO strategy ({sorted_state.module_key!r}"
                                  f" and {key!r}); save each in a checkpoint of its own.")
             sorted_state.module_key, sorted_state.item = key, modules.find(obj)
         elif not isinstance(obj, Optimizer):
-            sorted_state.other[key] = obj
+            sorted_state.other[key] = obj  # a module not set up here (an EMA copy, say) is a stateful object
     for key, obj in state.items():
         if isinstance(obj, Optimizer):
             engine = modules.engine_of(obj)
@@ -144,7 +144,7 @@ class FabricCheckpoints:
             return self._load_sharded(target, state or {}, precision, strict, weights_only)
         content = _load_file(target, weights_only)
         if not state:
-            return content
+            return {key: value for key, value in content.items() if key != FABRIC_KEY}
         return self._load_full(content, state, precision, strict)
 
     def _load_sharded(self, path: Path, state: dict[str, Any], precision: ZeroFabricPrecision, strict: bool,

@@ -71,6 +71,10 @@ class ShardedModules:
             "fabric.setup_module(model) first."
         )
 
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module`` (or its forward module) was set up by the strategy."""
+        return any(module is item.entry or module is item.module for item in self.items)
+
     def engine_of(self, optimizer: Optimizer) -> ZeroEngine:
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper holds the user's optimizer
         for item in self.items:
