@@ -107,8 +107,7 @@ class FabricCheckpoints:
         trainer_state = {**plain, FABRIC_KEY: _record(sorted_state, precision)}
         if sorted_state.optimizer_keys:
             trainer_state["optimizer_states"] = [{} for _ in engine.optimizers]  # their state goes to the shards
-        versions = {"zero_strategy": library_version(), "torch": torch.__version__, "lightning": lightning.__version__}
-        save_sharded(engine, path, trainer_state, SaveInfo(precision.precision, {}, versions))
+        save_sharded(engine, path, trainer_state, save_info(precision.precision))
 
     def _save_full(self, path: Path, sorted_state: SortedState, plain: dict[str, Any],
                    precision: ZeroFabricPrecision, filter: dict[str, Any]) -> None:
@@ -186,6 +185,12 @@ class FabricCheckpoints:
                 load_full_optimizer_state(engine, engine.optimizers[index], content.pop(key))
         precision.load_state_dict(record.get("precision", {}))
         return _restore_others(state, set(sorted_state.other), content)
+
+
+def save_info(precision: str, extra: dict[str, Any] | None = None) -> SaveInfo:
+    """What a checkpoint's manifest records besides the engine (both adapters' saves)."""
+    versions = {"zero_strategy": library_version(), "torch": torch.__version__, "lightning": lightning.__version__}
+    return SaveInfo(precision, {}, versions, dict(extra or {}))
 
 
 def _record(sorted_state: SortedState, precision: ZeroFabricPrecision) -> dict[str, Any]:

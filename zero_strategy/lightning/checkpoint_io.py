@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -37,7 +36,7 @@ from zero_strategy.checkpoint.save import SaveInfo
 from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.version import library_version
+from zero_strategy.fabric.checkpoint import save_info
 
 if TYPE_CHECKING:
     from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
@@ -117,12 +116,7 @@ class ShardedCheckpointIO(CheckpointIO):
         save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)  # type: ignore[arg-type]
 
     def save_info(self, extra: dict[str, Any] | None = None) -> SaveInfo:
-        versions = {
-            "zero_strategy": _library_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-        }
-        return SaveInfo(self._precision, {}, versions, dict(extra or {}))
+        return save_info(self._precision, extra)
 
     @override
     def load_checkpoint(
@@ -203,6 +197,3 @@ class ShardedCheckpointIO(CheckpointIO):
         elif target.exists():
             target.unlink()
 
-
-def _library_version() -> str:
-    return library_version()
