@@ -159,7 +159,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ParallelStrategy, _Sharded):
         return ZeroEngine(module, optimizers, self.config, layout, entry, self.precision.settings.policy(),
                           initial_values=values)
 
-    def _initial_values(self, module: nn.Module) -> Any:
+    def _initial_values(self, module: nn.Module) -> AbstractContextManager[InitialValues]:
         """The recorded construction (``init_module(empty_init=True)``) and pretrained weights, when any:
         ``pretrained=`` fills the first module set up (a second one, a teacher say, brings its own values)."""
         self._recorder.materialize_if_nothing_to_shard(module)
