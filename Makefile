@@ -5,14 +5,18 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# litgpt, a real Fabric client (tests/fabric/test_fabric_litgpt.py), installed without its dependencies: it pins
+# older ones than ours (huggingface-hub<1.4, hence an older transformers), and what the test imports needs none else
+LITGPT_VERSION := 0.5.13
 
 .PHONY: setup train test lint gpu-check
 setup: $(BIN)/.installed
 
-$(BIN)/.installed: pyproject.toml constraints.txt
+$(BIN)/.installed: pyproject.toml constraints.txt Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-deps litgpt==$(LITGPT_VERSION)
 	touch $@
 
 train: setup

@@ -2,7 +2,8 @@
 
 ``import zero_strategy`` registers the strategy names ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``,
 ``zero3_offload``, ``zero3_offload_nvme`` (subprocess launcher, like ``ddp``) and each with a ``_spawn`` suffix
-(spawn launcher, for notebooks and tests).
+(spawn launcher, for notebooks and tests), with the Trainer (``ZeroStrategy``) and with Fabric
+(``ZeroFabricStrategy``).
 """
 
 from zero_strategy._requirements import check_torch
@@ -42,9 +43,14 @@ try:  # the Lightning adapters; the core and the checkpoint tools work without L
 except ImportError:  # pragma: no cover - Lightning is a dependency; this keeps zero-to-fp32 usable without it
     pass
 else:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
+
+    from zero_strategy.fabric.precision import ZeroFabricPrecision
+    from zero_strategy.fabric.strategy import ZeroFabricStrategy
     from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
     from zero_strategy.lightning.precision import ZeroPrecision
     from zero_strategy.lightning.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
-    __all__ += ["ShardedCheckpointIO", "ZeroPrecision", "ZeroStrategy"]
+    ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+    __all__ += ["ShardedCheckpointIO", "ZeroFabricPrecision", "ZeroFabricStrategy", "ZeroPrecision", "ZeroStrategy"]

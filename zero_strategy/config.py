@@ -33,6 +33,14 @@ class CheckpointFormat(str, Enum):
     dcp = "dcp"
 
 
+class MetaInit(str, Enum):
+    """How a model built on the meta device gets its values when it is sharded (member names lower case like their
+    values, for Hydra overrides such as ``strategy.meta_init=reset_parameters``)."""
+
+    replay = "replay"
+    reset_parameters = "reset_parameters"
+
+
 COLLECTIVE_CHOICES = ("auto", "native", "point_to_point", "shared_memory")
 
 
@@ -144,6 +152,12 @@ class ZeroConfig:
     which FSDP2 (``dcp.load`` at any world size), torchtitan and Lightning's ModelParallelStrategy read. Either
     resumes here at any world size and stage, and ``trainer.fit(ckpt_path=...)`` reads both whatever this setting."""
 
+    meta_init: MetaInit = MetaInit.replay
+    """How a model built on the meta device (``configure_model``, ``init_module(empty_init=True)``) gets its values
+    when it is sharded: "replay" replays its recorded construction (the values an eager build gives, bit for bit);
+    "reset_parameters" replays it, then calls every module's ``reset_parameters()`` in module order (FSDP's contract,
+    which litgpt's pretraining relies on; see [Note: the reset_parameters contract] in core/deferred/resets.py)."""
+
     shard_group_size: Any = None  # int | "node" | None; `Any` because OmegaConf 2.3 rejects Union fields
     """Hybrid sharding: K ranks share one copy of the sharded state (ZeRO inside each group of K consecutive ranks,
     replicas across groups, gradients averaged over the replicas). "node": the ranks of one node (as the launcher
@@ -180,6 +194,13 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"checkpoint_format={self.checkpoint_format!r}: use 'zero' (this package's sharded directory) or "
                 "'dcp' (a torch.distributed.checkpoint directory)."
+            ) from None
+        try:
+            self.meta_init = MetaInit(self.meta_init.value if isinstance(self.meta_init, MetaInit) else self.meta_init)
+        except ValueError:
+            raise ZeroConfigError(
+                f"meta_init={self.meta_init!r}: use 'replay' (the recorded construction) or 'reset_parameters' "
+                "(then every module's reset_parameters(), as FSDP does)."
             ) from None
         offloaded = self.offload_optimizer is not OffloadDevice.none
         if self.collectives == "shared_memory" and self.zero_stage.reshards_parameters and offloaded:

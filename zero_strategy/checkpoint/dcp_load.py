@@ -112,7 +112,8 @@ def load_dcp(
     weights_only: bool = True,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint into ``engine`` (weights, buffers and, with ``with_optimizer``, optimizer state and
-    param-group hyper-parameters) and return its trainer state. Every rank calls it; no collective runs."""
+    param-group hyper-parameters) and return its trainer state. Every rank calls it (at stage 3 on one host the
+    ranks meet at the barriers around writing the host-wide parameters; nothing else is exchanged)."""
     with DcpCheckpoint(path, expected=module_keys(engine.module)) as ckpt:
         check_dcp_compatible(engine, ckpt, strict, with_optimizer)
         groups = param_groups_for(engine, ckpt) if with_optimizer else None

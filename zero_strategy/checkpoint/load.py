@@ -96,6 +96,7 @@ def _describe_groups(groups: dict[int, int]) -> str:
 def load_weights(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> None:
     """Fill every rank's master shards from the checkpoint, whatever layout wrote it."""
     rank = engine.ctx.rank
+    engine.before_load()  # peers done reading the slices written here (stage 3 on one host)
     with torch.no_grad():
         for flat in engine.flat_params:
             for piece in flat.layout.overlaps(rank):

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -38,7 +37,7 @@ from zero_strategy.checkpoint.source import ReadableCheckpoint
 from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.version import library_version
+from zero_strategy.fabric.checkpoint import save_info
 
 if TYPE_CHECKING:
     from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
@@ -126,12 +125,7 @@ class ShardedCheckpointIO(CheckpointIO):
     def save_info(
         self, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None
     ) -> SaveInfo:
-        versions = {
-            "zero_strategy": _library_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-        }
-        return SaveInfo(self._precision, {}, versions, dict(extra or {}), dict(renames or {}))
+        return save_info(self._precision, extra, renames)
 
     @override
     def load_checkpoint(
@@ -215,6 +209,3 @@ class ShardedCheckpointIO(CheckpointIO):
         elif target.exists():
             target.unlink()
 
-
-def _library_version() -> str:
-    return library_version()

@@ -10,12 +10,10 @@ propagates the new values into the compute-dtype parameters. It contains no coll
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
@@ -26,12 +24,9 @@ from typing_extensions import override
 
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
-from zero_strategy.core.plan.precision_names import reduce_dtype_named as _reduce_dtype
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
+from zero_strategy.fabric.precision import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
-
-log = logging.getLogger(__name__)
 
 
 class ZeroPrecision(Precision):
@@ -53,19 +48,21 @@ class ZeroPrecision(Precision):
         min_loss_scale: float = 1.0,
         reduce_dtype: str | None = None,
     ) -> None:
-        # The knob names and defaults are DeepSpeed's fp16 block, which users know by heart.
-        self.precision = normalize_precision(precision)  # type: ignore[assignment]
-        self.compute_dtype = COMPUTE_DTYPES[self.precision]
-        self.reduce_dtype = _reduce_dtype(reduce_dtype)
-        config = LossScalerConfig(
+        # The knobs' meaning is shared with the Fabric adapter (zero_strategy/fabric/precision.py).
+        self.settings = PrecisionSettings(
+            precision,
             loss_scale=loss_scale,
             initial_scale_power=initial_scale_power,
             loss_scale_window=loss_scale_window,
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis,
             min_loss_scale=min_loss_scale,
+            reduce_dtype=reduce_dtype,
         )
-        self.scaler = DynamicLossScaler(config) if self.compute_dtype == torch.float16 else None
+        self.precision = self.settings.precision  # type: ignore[assignment]
+        self.compute_dtype = self.settings.compute_dtype
+        self.reduce_dtype = self.settings.reduce_dtype
+        self.scaler = self.settings.scaler
         self._engine: ZeroEngine | None = None
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
         self._step_schedulers: set[int] = set()  # id() of the LR schedulers Lightning steps every step
@@ -82,9 +79,7 @@ class ZeroPrecision(Precision):
         return self.scaler.skipped_steps if self.scaler else 0
 
     def policy(self) -> MixedPrecisionPolicy | None:
-        if self.compute_dtype == torch.float32:
-            return None
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+        return self.settings.policy()
 
     def attach(self, engine: ZeroEngine | None) -> None:
         """Called by ZeroStrategy once the model is sharded (None after teardown)."""
@@ -99,16 +94,11 @@ class ZeroPrecision(Precision):
     # ----------------------------------------------------------------------------------- forward/backward
     @override
     def forward_context(self) -> Any:
-        if self.compute_dtype == torch.float32 or self._engine is None:
-            return nullcontext()
-        device = self._engine.flat_params[0].full.device.type if self._engine.flat_params else "cpu"
-        return torch.autocast(device, dtype=self.compute_dtype)
+        return self.settings.autocast(engine_device_type(self._engine))
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = tensor * self.scaler.scale
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self.settings.scale(tensor), module)
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -148,21 +138,10 @@ class ZeroPrecision(Precision):
     def _skip_on_overflow(self, optimizer: Optimizer, model: LightningModule | nn.Module) -> bool:
         """Unscale; on an overflow anywhere, drop this step on every rank and move the scale. True if skipped."""
         assert self.scaler is not None
-        overflow = self.engine.unscale_and_check_overflow(optimizer, 1.0 / self.scaler.scale)
         step = model.trainer.global_step if isinstance(model, LightningModule) else self.scaler.iteration
+        overflow = skip_step_on_overflow(self.engine, self.scaler, optimizer, step)
         if overflow:
-            culprit = self.engine.first_nonfinite_param(optimizer)
-            log.debug("fp16 overflow at step %d (loss scale %g): first non-finite gradient in %s",
-                      step, self.scaler.scale, culprit)
-            if self.scaler.would_fail(overflow):
-                raise LossScaleAtMinimumError(
-                    f"fp16 gradients overflowed at step {step} although the loss scale is already at its minimum "
-                    f"({self.scaler.config.min_loss_scale}); first non-finite gradient: {culprit}. Training "
-                    "cannot continue in fp16: use precision='bf16-mixed' (same exponent range as fp32), lower the "
-                    "learning rate, or lower min_loss_scale."
-                )
             self._skipped_last[id(optimizer)] = True
-        self.scaler.update(overflow)
         self._log_scaler(model)
         return overflow
 

@@ -25,17 +25,14 @@ package leaves Lightning's classes and the warning filters as they were.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from types import FrameType
 
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from zero_strategy.core.plan.precision_names import normalize_precision
+from zero_strategy.fabric.precision_selection import connector_on_stack, take_over_once
 from zero_strategy.lightning.precision import ZeroPrecision
-
-_CHOOSER = "_check_and_init_precision"  # the connector's method that turns the precision flag into a plugin
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:
@@ -66,33 +63,20 @@ def choose_zero_precision(connector: _AcceleratorConnector, own: ZeroPrecision |
 
 
 def take_over_precision_choice(strategy: object, own_precision: Callable[[], ZeroPrecision | None]) -> None:
-    """If a Lightning connector is resolving ``strategy`` right now, make its precision choice ours, for that one
-    connector and that one call (see [Note: taking over the precision choice of one Trainer]). ``own_precision``
-    reads the plugin given to the strategy itself when the choice is made. Idempotent; without a connector on
-    the call stack (a strategy built outside a Trainer) it does nothing."""
-    connector = _connector_on_stack()
-    if connector is None or _CHOOSER in vars(connector):
+    """If a Lightning accelerator connector is resolving ``strategy`` right now, make its precision choice ours, for
+    that one connector and that one call (see [Note: taking over the precision choice of one Trainer]; the mechanism
+    is shared with the Fabric adapter). ``own_precision`` reads the plugin given to the strategy itself when the
+    choice is made. Idempotent; without a connector on the call stack (a strategy built outside a Trainer) it does
+    nothing."""
+    connector = connector_on_stack(_AcceleratorConnector)
+    if connector is None:
         return
 
-    def check_and_init_precision() -> Precision:
-        delattr(connector, _CHOOSER)  # one call: from now on the connector is Lightning's own again
-        if connector.strategy is not strategy:  # another strategy was resolved after all: Lightning decides
-            return connector._check_and_init_precision()
+    def choose() -> Precision:
         connector._validate_precision_choice()  # Lightning's own checks of the flags, as its method runs them
         return choose_zero_precision(connector, own_precision())
 
-    setattr(connector, _CHOOSER, check_and_init_precision)
-
-
-def _connector_on_stack() -> _AcceleratorConnector | None:
-    """The innermost Lightning accelerator connector whose method is on the call stack, if any."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, _AcceleratorConnector):
-            return owner
-        frame = frame.f_back
-    return None
+    take_over_once(connector, strategy, choose)
 
 
 class ZeroPrecisionChoice:

@@ -8,7 +8,6 @@ import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -18,10 +17,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
@@ -38,8 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.comm.control import barrier
-from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
+from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     make_policy,
@@ -48,23 +44,18 @@ from zero_strategy.core.runtime.activation_checkpointing import (
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
+from zero_strategy.fabric.distributed import barrier, broadcast_object, init_process_group, rank_layout
+from zero_strategy.fabric.forward_entry import ForwardEntry
+from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
-from zero_strategy.lightning.exit_teardown import destroy_process_group_at_exit
-from zero_strategy.lightning.forward_entry import ForwardEntry
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import ZeroPrecisionChoice
 from zero_strategy.lightning.preemption import install_preemption_saver
 from zero_strategy.lightning.private_tensors import SHARING_START_METHODS, make_module_tensors_private
 from zero_strategy.lightning.profiler import CommunicationProfiler
 from zero_strategy.lightning.rank_exit import FinishMarkingLauncher
-from zero_strategy.lightning.sharded_init import (
-    ConstructionRecorder,
-    initial_values,
-    meta_parameters_stay,
-    take_back_released,
-    warn_parameters_stay_sharded,
-)
+from zero_strategy.lightning.sharded_init import meta_parameters_stay, warn_parameters_stay_sharded
 from zero_strategy.lightning.sharded_model import ModelState, ShardedModel
 from zero_strategy.names import STRATEGY_NAMES
 
@@ -194,14 +185,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
             self.root_device
         )
         assert self.cluster_environment is not None
-        created_here = not _distributed_is_initialized()
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=timedelta(seconds=self.config.process_group_timeout_s),
-        )
-        if created_here and _distributed_is_initialized():
-            destroy_process_group_at_exit()  # see [Note: destroying the process group at exit]
+        init_process_group(self.cluster_environment, self._process_group_backend, self.config.process_group_timeout_s)
 
     # ------------------------------------------------------------------------------------------ optimizers
     @property
@@ -265,11 +249,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
     def _rank_layout(self) -> RankLayout | None:
         """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local
         rank), and the shard / replica groups of ``shard_group_size``; built once (the groups outlive fit/test)."""
-        if not _distributed_is_initialized():
-            return None
         if self._layout is None:
-            topology = Topology.uniform(self.world_size, self.num_processes)
-            self._layout = build_rank_layout(self.config.shard_group_size, topology, self.config.hierarchical_params)
+            self._layout = rank_layout(self.config, self.world_size, self.num_processes)
         return self._layout
 
     @classmethod
@@ -374,17 +355,11 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        barrier()  # with device_ids on NCCL
+        barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return broadcast_object(obj, src)
 
     @override
     def reduce(

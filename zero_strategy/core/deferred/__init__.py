@@ -27,6 +27,7 @@ from zero_strategy.core.deferred.ops import DeferredInitError
 from zero_strategy.core.deferred.plan import FinalTensor
 from zero_strategy.core.deferred.record import Recording
 from zero_strategy.core.deferred.replay import ReplayPlan, ReplayStats, materialize_module
+from zero_strategy.core.deferred.resets import record_resets
 
 __all__ = [
     "DeferredInitError",
@@ -36,4 +37,5 @@ __all__ = [
     "ReplayStats",
     "materialize_module",
     "record_construction",
+    "record_resets",
 ]

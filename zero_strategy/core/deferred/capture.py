@@ -1,11 +1,11 @@
 """Capture: construction runs on the meta device while every op that makes or changes a tensor is written into a
-:class:`Recording` (record.py)."""
+:class:`Recording` (record.py); what op-level recording cannot see goes through the profile hook (profile_hook.py)."""
 
 from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,8 +16,8 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zero_strategy.core.deferred.generators import RESEEDING_METHODS
 from zero_strategy.core.deferred.ops import DeferredInitError, is_random
+from zero_strategy.core.deferred.profile_hook import profile_hook
 from zero_strategy.core.deferred.record import Recording
 from zero_strategy.core.deferred.where import module_code_in_frames, rng_remedy
 
@@ -25,20 +25,6 @@ aten = torch.ops.aten
 _META = torch.device("meta")
 _DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray)
 _DATA_DEPENDENT = frozenset({aten._local_scalar_dense, aten.equal, aten.is_nonzero})
-
-# [Note: nn.init functions that skip meta tensors]
-# In torch 2.13, `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once when given a meta
-# tensor (they test `tensor.is_meta`), so op-level recording sees nothing: the values, and the random numbers
-# they consume, would be lost silently. `trunc_normal_` is also rejection sampling now: how many numbers it
-# draws depends on the numbers drawn, which no meta recording can know. These functions are therefore recorded
-# as whole calls (found through a profile hook, so `from torch.nn.init import trunc_normal_` is caught too)
-# and replayed by calling them again on the real tensor. They are found by their code, not by name.
-_BLACK_BOX_CODES: dict[types.CodeType, Callable[..., Any]] = {
-    fn.__code__: fn
-    for fn in vars(torch.nn.init).values()
-    if isinstance(fn, types.FunctionType) and "is_meta" in fn.__code__.co_names
-}
-
 
 
 class _RecordOps(TorchDispatchMode):
@@ -105,46 +91,6 @@ class _DefaultToMeta(TorchFunctionMode):
 
 
 @contextmanager
-def _profile_hook(recording: Recording) -> Iterator[None]:
-    """A profile hook that records what op-level recording cannot see: calls of the functions in
-    `_BLACK_BOX_CODES` made on meta tensors, and generator reseeds (see [Note: reseeds inside the build])."""
-    previous = sys.getprofile()
-
-    def hook(frame: types.FrameType, event: str, arg: Any) -> None:
-        if recording._black_box_frame is None:
-            if event == "call" and frame.f_code in _BLACK_BOX_CODES:
-                _enter_black_box(recording, frame)
-            elif event == "c_return" and isinstance(getattr(arg, "__self__", None), torch.Generator):
-                _generator_method_returned(recording, arg, frame)
-        elif event == "return" and frame is recording._black_box_frame:
-            recording._black_box_frame = None
-        if previous is not None:
-            previous(frame, event, arg)  # type: ignore[arg-type]
-
-    sys.setprofile(hook)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
-
-
-def _enter_black_box(recording: Recording, frame: types.FrameType) -> None:
-    code = frame.f_code
-    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    bound = {name: frame.f_locals[name] for name in names}
-    if any(isinstance(v, Tensor) and v.is_meta for v in bound.values()):
-        recording.record_black_box(_BLACK_BOX_CODES[code], bound, module_code_in_frames(frame.f_back))
-        recording._black_box_frame = frame
-
-
-def _generator_method_returned(recording: Recording, method: Any, frame: types.FrameType) -> None:
-    if method.__name__ in RESEEDING_METHODS:
-        recording.record_set_state(method.__self__, module_code_in_frames(frame))
-    elif method.__name__ == "initial_seed":
-        recording.check_seed_read(method.__self__, module_code_in_frames(frame))
-
-
-@contextmanager
 def record_construction(device: torch.device | str = "cpu") -> Iterator[Recording]:
     """Build under this context: tensors land on the meta device and the returned recording can replay them.
 
@@ -152,9 +98,26 @@ def record_construction(device: torch.device | str = "cpu") -> Iterator[Recordin
     exactly as an eager build on that device would.
     """
     recording = Recording(torch.device(device))
+    with _recording_into(recording):
+        yield recording
+
+
+@contextmanager
+def continue_recording(recording: Recording, where: str) -> Iterator[Recording]:
+    """Record more ops on the meta tensors of an earlier recording (and new ones), as if they followed its build
+    at this moment: replay runs them after the build's, each tracked generator first set to the state it has now
+    (rank 0's, once the ranks agree), whatever moved it since the build ended."""
+    for generator in recording.generators.tracked():
+        recording.record_set_state(generator, where)
+    with _recording_into(recording):
+        yield recording
+
+
+@contextmanager
+def _recording_into(recording: Recording) -> Iterator[None]:
     try:
-        with _profile_hook(recording), _DefaultToMeta(), _RecordOps(recording):
-            yield recording
+        with profile_hook(recording), _DefaultToMeta(), _RecordOps(recording):
+            yield
         recording.check_generators("detected when the build finished")
     except DeferredInitError:
         raise

@@ -4,7 +4,7 @@
 Ops on meta tensors draw no random numbers, so while a build is recorded a generator moves only when code sets its
 state: `torch.manual_seed`, `torch.set_rng_state`, `torch.random.fork_rng` restoring on exit, Lightning's
 `seed_everything` / `isolate_rng`, `Generator.manual_seed` / `set_state` / `seed`. Each of these ends in a call of
-a `torch.Generator` method, which the recording's profile hook sees returning (capture.py), and becomes a step of
+a `torch.Generator` method, which the recording's profile hook sees returning (profile_hook.py), and becomes a step of
 the recording, replayed in order with the ops:
 * a state set from outside the build's draws (a seed, a state captured before the build) is a `SetState` step
   holding the state right after the call;
@@ -164,6 +164,10 @@ class GeneratorStates:
             self.set_states.append(SetState(generator, state))
             self._last_set[generator_key(generator)] = (generator, state)
         return placeholder
+
+    def tracked(self) -> list[torch.Generator]:
+        """The generators whose states this recording writes down (the default one and explicit ones it saw)."""
+        return [generator for generator, _ in self._last_set.values()]
 
     def changed_unseen(self) -> torch.Generator | None:
         """A tracked generator whose state moved since the recording last wrote it down (None: all as expected)."""

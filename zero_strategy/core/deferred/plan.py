@@ -59,7 +59,10 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
         if recording.storage_id(tensor) is None:
             raise DeferredInitError(
                 f"{name} is a meta tensor that record_construction never saw being made: create the module "
-                f"inside the recording (not before it, and not under another meta-device context)."
+                f"inside the recording (not before it, and not under another meta-device context). If code after "
+                f"the build remade it on the meta device (litgpt's pretraining runs reset_parameters() on the meta "
+                f"model, as FSDP expects), set meta_init='reset_parameters': the strategy then calls every "
+                f"reset_parameters() itself when it shards the model."
             )
         groups.setdefault(recording.ref(tensor), []).append(name)
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))

@@ -3,8 +3,9 @@
 Stage 3 installs forward pre/post hooks on every unit (the root's on the forward entry point), and a hook on each
 unit's outputs that gathers the unit again when backward reaches it. Stages 2 and 3 install a post-accumulate-grad
 hook on every trainable parameter: when the last gradient of a unit has landed, the unit is reduce-scattered in
-the agreed order (see [Note: collective order]; stage 3 frees it). A callback queued at the start of each backward
-sweeps up at its end: units not reduced yet are reduced there, and every unit is freed.
+the agreed order (stage 3 frees it; when and in which order gradients are reduced is backward_reductions.py's). A
+callback queued at the start of each backward sweeps up at its end: units not reduced yet are reduced there, and
+every unit is freed.
 
 [Note: prefetch]
 Forward prefetches the next unit in the order the first forward recorded. Backward does not simply reverse it:
@@ -12,34 +13,6 @@ with nested units (a block and, inside it, a large MLP layer that is a unit of i
 before its children's, so reversed forward order would fetch the wrong unit and every block would be gathered
 while backward waited. The first backward records the order in which units' backward hooks fire; later ones
 prefetch along it, and the first unit backward needs is fetched as soon as the root's forward returns.
-
-[Note: overlapped reduction]
-A unit's reduce-scatter is only started when its last gradient lands; it is waited for when the next unit's
-starts, or at the end of backward. On gloo the point-to-point exchange runs on gloo's I/O thread, so the ranks
-need not meet at every unit: backward of the next unit computes while the bytes move, and a rank that is a little
-behind costs the other rank nothing until the wait. At most two units' flattened gradients are alive at once.
-A Comm that owns its buffers (``Comm.reductions_in_flight`` is None: one host's shared-memory arenas) holds no
-private memory while a reduction is in flight, so its reductions are not waited for at the next unit: the exchange
-reads each one as soon as every rank posted it and lets a rank run a few reductions ahead of a slower peer (see
-[Note: shared-memory reductions]), so the ranks' backward passes do not meet at every unit; all are finished at the
-end of backward.
-
-[Note: collective order]
-Every rank must issue collectives in the same order, and take part in every one, even where the set of parameters
-it used differs from its peers' (mixture-of-experts routing, a branch or a head used on some batches): DDP with
-``find_unused_parameters=True`` averages a gradient over all ranks, with zeros from those that did not use the
-parameter. Two rules give that:
-- reductions start in one agreed order (:class:`ReductionOrder`): a unit whose last gradient landed starts only
-  once every unit before it in that order has; the order is rank 0's readiness order, broadcast at the end of
-  the first backward (which follows the units' reversed module order, the same on every rank);
-- at the end of backward every trainable unit not yet reduced is reduced on every rank, with zeros where this rank
-  has no gradient (skipped only where no parameter of it requires a gradient now, which is the same on every rank).
-  A unit no rank used in a backward therefore still costs its reduction, as DDP's buckets do: deciding "used by
-  some rank" first would need an agreement in the middle of the reductions, out of order with them for gloo's and
-  NCCL's own collectives.
-When all ranks use every unit the order is the one each rank's backward follows anyway, so reductions still overlap
-backward; a unit a rank did not use holds the units after it back to the end of that rank's backward.
-Whether a parameter is stepped is agreed separately, per optimizer step (see [Note: unused parameters]).
 
 Stage 3 gathers are collectives too unless the shards are in shared memory (one host's CPU ranks, where a gather
 is a local copy): there rank-dependent use just works. With network gathers a rank that gathers a unit its peers
@@ -62,9 +35,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.runtime.backward_reductions import BackwardReductions
 from zero_strategy.core.runtime.compile_check import not_traced
-from zero_strategy.core.runtime.owned_hook import OwnedHook, ParameterHook
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.runtime.unit import TrainingState, ZeroUnit
 from zero_strategy.core.stage import ZeroStage
@@ -98,18 +71,17 @@ class RuntimeHooks:
         self.entry_module = entry_module
         self.prefetch = prefetch
         self.on_root_forward = on_root_forward
-        self.reduction_order = reduction_order
+        self.reductions = BackwardReductions(units, stage, reduction_order, self._queue_final_callback)
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
         self.backward_order: list[ZeroUnit] = []  # recorded during the first backward (see [Note: prefetch])
         self._backward_order_recorded = False
         self._callback_queued = False
-        self._reducing: list[ZeroUnit] = []  # units whose reduce-scatters are in flight, in start order
         self._entry_depth = 0  # forwards of the entry module running now (see [Note: every forward gathers])
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
-        for unit_index, unit in enumerate(self.units):
+        for unit in self.units:
             if self.stage.reshards_parameters:
                 for module in self._forward_entries(unit):
                     self._handles.append(
@@ -122,12 +94,7 @@ class RuntimeHooks:
                             OwnedHook(self._pre_inner_root_forward, unit), prepend=True))
                         self._handles.append(module.register_forward_hook(
                             OwnedHook(self._post_inner_root_forward, unit)))
-            if self.stage.reduces_every_microstep:
-                for param in unit.trainable_params:
-                    hook = ParameterHook(self._grad_ready_at, unit_index)
-                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
-            else:
-                self._install_grad_stash(unit_index)
+        self._handles += self.reductions.install()
         # The step's own hooks go on the entry point whether or not the root stores parameters (a root whose
         # parameters all live in children has no unit): registered last with prepend, the pre-hook runs before the
         # root unit's gather, and the post-hook after the root unit's.
@@ -156,23 +123,6 @@ class RuntimeHooks:
                 raise ValueError(f"ZeRO unit {unit.name!r} has no forward and no children; it can never be gathered")
             return children
         return [unit.module]
-
-    def _install_grad_stash(self, unit_index: int) -> None:
-        """Stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they are produced,
-        so accumulation over micro-steps happens in fp32, never in bf16/fp16."""
-        for flat_index, flat in enumerate(self.units[unit_index].flat_params):
-            if flat.trainable and flat.full.dtype != torch.float32:
-                for index, param in enumerate(flat.params):
-                    hook = ParameterHook(self._stash_at, unit_index, flat_index, index)
-                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
-
-    # A parameter's hooks name their unit by position: they are held where the garbage collector cannot see (see
-    # core/runtime/owned_hook.py), so they must not hold a unit (its buffers) either.
-    def _stash_at(self, unit_index: int, flat_index: int, index: int, param: Tensor) -> None:
-        self.units[unit_index].flat_params[flat_index].grads.stash_grad(index)
-
-    def _grad_ready_at(self, unit_index: int, param: Tensor) -> None:
-        self._on_grad_ready(self.units[unit_index], param)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -297,29 +247,6 @@ class RuntimeHooks:
         elif self.prefetch:
             self._prefetch(self.backward_order, unit, step=1)
 
-    def _on_grad_ready(self, unit: ZeroUnit, param: Tensor) -> None:
-        self._queue_final_callback()
-        unit.grads_ready += 1
-        if unit.grads_ready < unit.expected_grads():
-            return
-        # Reductions start in the agreed order (see [Note: collective order]) and run while backward goes on.
-        for ready in self.reduction_order.on_ready(unit):
-            self._start_reduce(ready)
-        # A unit with frozen parameters may still be needed by backward ops that produce no gradient for it
-        # (a frozen layer earlier in the unit), and the root's parameters can be used anywhere: both wait.
-        if self.stage.reshards_parameters and not unit.has_frozen and not unit.is_root:
-            unit.reshard()
-
-    def _start_reduce(self, unit: ZeroUnit) -> None:
-        """Start ``unit``'s reduction on every rank's behalf: a FlatParam this rank has no gradient for sends zeros,
-        because a peer may have one. Waiting first for the previous unit's reduction when it went through the
-        network bounds the memory of flattened gradients in flight to two units (see [Note: overlapped
-        reduction])."""
-        if self._reducing and self._reducing[-1].reductions_in_flight() is not None:
-            self._reducing.pop().finish_reduce()
-        unit.start_reduce(force=_can_have_gradients)
-        self._reducing.append(unit)
-
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -327,21 +254,9 @@ class RuntimeHooks:
 
     def _end_of_backward(self) -> None:
         self._backward_order_recorded = bool(self.backward_order)
-        if self.stage.reduces_every_microstep:
-            for unit in self.reduction_order.end_of_backward():
-                self._start_reduce(unit)
-        for unit in self._reducing:
-            unit.finish_reduce()
-        self._reducing = []
-        if self.stage.reduces_every_microstep:
-            self.reduction_order.settle()
+        self.reductions.end_of_backward()
         for unit in self.units:
             if self.stage.reshards_parameters:
                 unit.reshard()
             unit.state = TrainingState.IDLE
-            unit.grads_ready = 0
         self._callback_queued = False
-
-
-def _can_have_gradients(flat: FlatParam) -> bool:
-    return flat.grads.requires_grad_now()

@@ -44,6 +44,7 @@ from zero_strategy.core.step.fused_steps import install_fused_steps, remove_fuse
 from zero_strategy.core.step.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.step.release import gather_into_module, leave_sharded
 from zero_strategy.core.step.state_dict_hooks import StateDictGathers
+from zero_strategy.core.step.state_dict_loads import StateDictLoads
 from zero_strategy.core.step.window import StepWindows
 
 
@@ -121,7 +122,7 @@ class ZeroEngine:
         # stop the comms' threads with the engine even if it is never released
         self._closer = weakref.finalize(self, self.comms.close)
         self.windows = StepWindows(self.units, self.stage, self.comms, self.placement, config.nvme_chunk_numel,
-                                   self.optimizers)
+                                   self.optimizers, lambda: self.hooks.reductions.pending_held)
         loaded = initial_values is not None and initial_values.pretrained is not None
         if loaded or (parts.replay_stats is not None and self.comms.host_shared):
             self.after_load()  # loaded or replayed slices reach the module (and the host's buffers) before use
@@ -139,6 +140,8 @@ class ZeroEngine:
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
+        # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict ...])
+        self.state_dict_loads = StateDictLoads(module, self.flat_params, self.before_load, self.after_load)
         for unit in self.units:
             unit.release_gathered()
         _LIVE_ENGINES.add(self)
@@ -162,6 +165,12 @@ class ZeroEngine:
     def parameter_names(self) -> dict[int, str]:
         """``id(param)`` → the canonical name under which checkpoints store it."""
         return {id(p): name for flat in self.flat_params for name, p in zip(flat.names, flat.params, strict=True)}
+
+    def before_load(self) -> None:
+        """Slices are about to be overwritten outside a step (a checkpoint or state dict load): on one host at stage 3
+        every peer must be done reading our slice of the host-wide parameters first (see [Note: shared-memory
+        gathers]). Collective; nothing when the parameters are private."""
+        self.windows.barrier_for_host_wide_parameters("before a load")
 
     def after_load(self) -> None:
         """Slices were overwritten (checkpoint load, sharded construction): make the module reflect them again."""
@@ -277,6 +286,15 @@ class ZeroEngine:
         files)."""
         return self.windows.step(self.optimizer_index(optimizer), **kwargs)
 
+    @contextmanager
+    def gradients_held(self) -> Iterator[None]:
+        """Backwards inside the block leave their gradients on the module instead of reducing them (gradient
+        accumulation's micro-steps before the last; see [Note: gradients held on the module] in
+        runtime/backward_reductions.py). Every rank enters it around the same backwards. Stage 1 never reduces in
+        backward: nothing changes there."""
+        with self.hooks.reductions.held():
+            yield
+
     # ------------------------------------------------------------------------------------------------- access
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
@@ -303,6 +321,7 @@ class ZeroEngine:
         self.hooks.remove()
         if self.state_dict_gathers is not None:
             self.state_dict_gathers.remove()
+        self.state_dict_loads.remove()
         for optimizer in self.optimizers:
             remove_zero_grad_hook(optimizer)
             remove_fused_steps(optimizer)

@@ -114,21 +114,40 @@ def carve_state(param_state: dict[str, Any], param: Tensor, start: int, count: i
 # into a copy: ``Optimizer.__getstate__`` keeps only defaults/state/param_groups, so pickle and deepcopy drop the
 # attribute. release() removes it. (Lightning's wrapper subclasses the optimizer's class, so it would find the
 # class's method first: the Lightning adapter makes its wrappers call the optimizer's own zero_grad.)
-# The callback lives in that attribute, not in a module-level table keyed by optimizer: the callback reaches the
-# optimizer again (through the engine), so such a table would keep every optimizer and engine alive for good.
+# The callback is looked up on the optimizer at each call, not kept in the attribute: wrappers that copy the
+# optimizer's ``__dict__`` (Fabric's ``_FabricOptimizer``) copy the attribute once, and a later binding (a rebuilt
+# engine) must still be the one notified. Nor is it kept in a module-level table keyed by optimizer: the callback
+# reaches the optimizer again (through the engine), so such a table would keep every optimizer and engine alive.
+_CALLBACK = "_zero_strategy_on_zero_grad"
+
+
 class _NotifyingZeroGrad:
     """The instance attribute ``zero_grad``: the class's method, then the engine's callback."""
 
-    def __init__(self, optimizer: Optimizer, callback: Callable[[], None]) -> None:
+    def __init__(self, optimizer: Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)  # the optimizer holds this attribute: no cycle through it
-        self.callback = callback
 
     def __call__(self, set_to_none: bool = True) -> None:
         optimizer = self._optimizer()
         if optimizer is None:
             return
-        type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
-        self.callback()
+        class_zero_grad(optimizer, set_to_none)
+        callback = vars(optimizer).get(_CALLBACK)
+        if callback is not None:  # None once the engine released the optimizer: a plain zero_grad
+            callback()
+
+
+FORWARDS_ZERO_GRAD = "_zero_strategy_forwards_zero_grad"
+"""Marks a subclass whose ``zero_grad`` only forwards to the instance attribute (the Fabric adapter's, see
+fabric/optimizer_class.py)."""
+
+
+def class_zero_grad(optimizer: Optimizer, set_to_none: bool) -> None:
+    """The ``zero_grad`` of the optimizer's class, passing over a subclass marked :data:`FORWARDS_ZERO_GRAD`."""
+    for klass in type(optimizer).__mro__:
+        if "zero_grad" in vars(klass) and not vars(klass).get(FORWARDS_ZERO_GRAD, False):
+            vars(klass)["zero_grad"](optimizer, set_to_none=set_to_none)
+            return
 
 
 def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -> None:
@@ -139,11 +158,14 @@ def install_zero_grad_hook(optimizer: Optimizer, callback: Callable[[], None]) -
             f"{qualified_name(optimizer)} already has an instance attribute 'zero_grad' (set by other code); ZeRO "
             "needs to extend zero_grad to clear the gradients it keeps on the module. Remove that attribute."
         )
-    optimizer.zero_grad = _NotifyingZeroGrad(optimizer, callback)  # type: ignore[method-assign]
+    vars(optimizer)[_CALLBACK] = callback
+    if installed is None:
+        optimizer.zero_grad = _NotifyingZeroGrad(optimizer)  # type: ignore[method-assign]
 
 
 def remove_zero_grad_hook(optimizer: Optimizer) -> None:
     """Undo :func:`install_zero_grad_hook`. Idempotent."""
+    vars(optimizer).pop(_CALLBACK, None)
     if isinstance(vars(optimizer).get("zero_grad"), _NotifyingZeroGrad):
         del optimizer.zero_grad
 
@@ -161,11 +183,11 @@ def bind_optimizer(optimizer: Optimizer, index: int, flats: list[FlatParam], on_
     optimizer.state.clear()
     if existing:
         for flat in flats:
-            _carry_state_over(optimizer, flat, existing)
+            carry_state_over(optimizer, flat, existing)
     install_zero_grad_hook(optimizer, on_zero_grad)
 
 
-def _carry_state_over(optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
+def carry_state_over(optimizer: Optimizer, flat: FlatParam, existing: dict) -> None:
     """Give each master piece the slices of the state its parameters already had."""
     by_name = dict(zip(flat.names, flat.params, strict=True))
     overlaps = flat.layout.overlaps(flat.rank)

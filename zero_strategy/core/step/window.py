@@ -84,8 +84,10 @@ class StepWindows:
 
     def __init__(
         self, units: list[ZeroUnit], stage: ZeroStage, comms: CommPlan, placement: Placement | None,
-        chunk_numel: int, optimizers: list[Optimizer],
+        chunk_numel: int, optimizers: list[Optimizer], gradients_held: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``gradients_held``: whether a backward left gradients on the module that no reduction took yet (see
+        [Note: gradients held on the module] in runtime/backward_reductions.py)."""
         self.units = units
         self.stage = stage
         self.comms = comms
@@ -93,6 +95,7 @@ class StepWindows:
         self.chunk_numel = chunk_numel
         self.optimizers = optimizers
         self.steps = [OptimizerStep() for _ in optimizers]
+        self.gradients_held = gradients_held
         # per optimizer, the other optimizers that step one of its FlatParams
         self.sharing: list[set[int]] = [set() for _ in optimizers]
         for flat in self.flats_of(None):
@@ -129,7 +132,9 @@ class StepWindows:
         force: Callable[[FlatParam], bool] | None = None
         if step.phase is StepPhase.ACCUMULATING:
             flats = list(self.flats_of(index))
-            holds_gradients = not self.stage.reduces_every_microstep  # stage 1: they wait on the module
+            # stage 1 (and stages 2/3 after a backward that held its gradients on the module, see [Note: gradients
+            # held on the module]): they wait on the module
+            holds_gradients = not self.stage.reduces_every_microstep or self.gradients_held()
             # a parameter used in one shard group is reduced over its replicas: the agreement spans every rank
             pending = agree_on_used(flats, self.comms.everyone, with_pending=holds_gradients)
             if advance:

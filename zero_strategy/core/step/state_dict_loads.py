@@ -1,0 +1,94 @@
+"""``module.load_state_dict(full_state_dict)`` of a sharded module writes the values into the master slices.
+
+[Note: loading a full state dict into the shards]
+torch's ``load_state_dict`` copies each value into the module's parameter, which under ZeRO is not where the weights
+live: at stage 3 the parameter holds no values between uses (the copy raises, see [Note: parameters outside
+forward]), and at stages 1/2 under bf16/fp16 or offload the next step overwrites it from the fp32 masters. Code
+written for one process or for DDP calls it anyway (litgpt's ``load_checkpoint`` for any strategy but FSDP). So
+the engine hooks every module's ``load_state_dict``: each parameter it owns is taken out of the state dict before
+torch sees it, this rank's element ranges of the given value are written into the master slices (in the masters'
+dtype: an fp32 file loads into fp32 masters unrounded), its shape is checked as torch checks it, and its key is
+not reported missing. Buffers load as torch loads them. Before the first write every rank waits for its peers to be
+done reading the host-wide parameters (stage 3 on one host), and when the outermost call returns the slices are
+published to the module (stages 1/2 gather them), so it is a collective: every rank loads, as under DDP.
+``assign=True`` would replace the parameter objects the engine owns, and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import is_tensor_like
+from torch.utils.hooks import RemovableHandle
+
+from zero_strategy.core.flat.flat_param import FlatParam
+
+
+class StateDictLoads:
+    """Installs and owns the ``load_state_dict`` hooks of one engine (see [Note: loading a full state dict into the
+    shards])."""
+
+    def __init__(self, module: nn.Module, flats: list[FlatParam], before_load: Callable[[], None],
+                 after_load: Callable[[], None]) -> None:
+        self._owner_of = {id(param): (flat, index) for flat in flats for index, param in enumerate(flat.params)}
+        self._before_load, self._after_load = before_load, after_load
+        self._handles: list[RemovableHandle] = []
+        self._depth = 0
+        self._taken: set[str] = set()  # keys written into the slices during the current outermost call
+        for sub in module.modules():
+            self._handles.append(sub.register_load_state_dict_pre_hook(self._before))
+            self._handles.append(sub.register_load_state_dict_post_hook(partial(self._after)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+        strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        self._depth += 1
+        for name, param in module._parameters.items():
+            owner = self._owner_of.get(id(param)) if param is not None else None
+            key = prefix + name
+            if param is None or owner is None or key not in state_dict:
+                continue
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise RuntimeError(
+                    f"load_state_dict(assign=True) would replace {key}, a parameter ZeRO shards; load without "
+                    "assign (the values are written into this rank's slices)."
+                )
+            value = state_dict.pop(key)
+            if not self._taken:
+                self._before_load()  # every rank: peers done reading the slices this writes
+            self._taken.add(key)
+            if not is_tensor_like(value) or tuple(value.shape) != tuple(param.shape):  # lazily loaded ones too
+                shape = tuple(value.shape) if is_tensor_like(value) else type(value).__name__
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
+                                  f"the shape in current model is {tuple(param.shape)}.")
+                continue
+            _write_own_ranges(*owner, value)
+
+    def _after(self, module: nn.Module, incompatible_keys: Any) -> None:
+        missing = incompatible_keys.missing_keys
+        missing[:] = [key for key in missing if key not in self._taken]
+        self._depth -= 1
+        if self._depth == 0:
+            taken, self._taken = self._taken, set()
+            if taken:
+                self._after_load()  # every rank: the slices reach the module (stages 1/2 gather them)
+
+
+def _write_own_ranges(flat: FlatParam, index: int, value: Tensor) -> None:
+    """This rank's element ranges of parameter ``index`` of ``flat`` from its whole ``value``."""
+    name = flat.names[index]
+    values = torch.reshape(value, (-1,)).detach()  # a torch function: a lazily loaded tensor loads itself here
+    for overlap in flat.layout.overlaps(flat.rank):
+        if overlap.name == name:
+            part = values[overlap.param_start : overlap.param_start + overlap.numel]
+            flat.write_shard_range(index, overlap.param_start, part.to(flat.shard.device))

@@ -1,0 +1,235 @@
+"""``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` under ZeRO, on the same checkpoint code as the Trainer.
+
+[Note: what a Fabric checkpoint holds]
+Fabric's state is a dict of modules, optimizers, stateful objects (``state_dict``/``load_state_dict``: LR
+schedulers, stateful data loaders) and plain values. By default ``fabric.save(path, state)`` writes this package's
+sharded directory (checkpoint/format.py): the set-up module's master slices and, when the state holds its
+optimizers, their state, one shard per rank, nothing gathered; the other entries, the keys that name the module
+and the optimizers, and the loss scaler go into its trainer-state file. ``fabric.load(path, state, strict)`` reads
+it at any world size and stage (by parameter name and element range) and restores each entry in place;
+``strict=False`` skips entries the checkpoint lacks and loads the parameters that match. ``state_dict_type="full"``
+(or a ``filter`` on a module or optimizer) writes one consolidated file instead (see [Note: the consolidated
+Fabric file] in full_state.py), which loads back the same way. ``fabric.load_raw(path, model)`` reads a plain state
+dict (a torch file, safetensors, a Hugging Face or zero-to-fp32 output, a sharded directory) memory-mapped, each
+rank reading only the element ranges it keeps. One set-up module per checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _Stateful
+from torch import nn
+from torch.optim import Optimizer
+
+from zero_strategy.checkpoint.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.pretrained import open_pretrained
+from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
+from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.core.materialize import Pretrained, load_pretrained
+from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.fabric.full_state import full_optimizer_state, full_weights, load_full_optimizer_state
+from zero_strategy.fabric.precision import ZeroFabricPrecision
+from zero_strategy.fabric.sharded_modules import ShardedModule, ShardedModules
+from zero_strategy.version import library_version
+
+FABRIC_KEY = "zero_strategy.fabric"
+"""The entry where a Fabric checkpoint records which keys are the module and optimizers, and the loss scaler."""
+
+
+@dataclass(slots=True)
+class SortedState:
+    """A Fabric state dict, sorted: the set-up module, its optimizers (key → index in its engine), the rest."""
+
+    module_key: str | None = None
+    item: ShardedModule | None = None
+    optimizer_keys: dict[str, int] = field(default_factory=dict)
+    other: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self.item is None:
+            raise ValueError("the state holds no module set up by the ZeRO strategy; add it (state['model'] = model)")
+        return self.item.engine
+
+
+def sort_state(state: dict[str, Any], modules: ShardedModules) -> SortedState:
+    """Which entries of ``state`` ZeRO holds (the set-up module, its optimizers) and which are Fabric's."""
+    sorted_state = SortedState()
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module) and modules.holds(obj):
+            if sorted_state.item is not None:
+                raise ValueError(f"the state holds two modules set up by the ZeRO strategy ({sorted_state.module_key!r}"
+                                 f" and {key!r}); save each in a checkpoint of its own.")
+            sorted_state.module_key, sorted_state.item = key, modules.find(obj)
+        elif not isinstance(obj, Optimizer):
+            sorted_state.other[key] = obj  # a module not set up here (an EMA copy, say) is a stateful object
+    for key, obj in state.items():
+        if isinstance(obj, Optimizer):
+            engine = modules.engine_of(obj)
+            if sorted_state.item is None or engine is not sorted_state.item.engine:
+                raise ValueError(f"optimizer {key!r} steps a module that is not in the state: add that module.")
+            sorted_state.optimizer_keys[key] = engine.optimizer_index(obj)
+    return sorted_state
+
+
+class FabricCheckpoints:
+    """Saves and loads Fabric states of one strategy (see [Note: what a Fabric checkpoint holds])."""
+
+    def __init__(self, modules: ShardedModules, full: bool, is_leader: Callable[[], bool]) -> None:
+        self.modules = modules
+        self.full = full  # state_dict_type="full": one consolidated file
+        self.is_leader = is_leader  # global rank 0: the writer of a consolidated file
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, path: str | os.PathLike, state: dict[str, Any], precision: ZeroFabricPrecision,
+             filter: dict[str, Any] | None) -> None:
+        """Collective: every rank calls it with the same state keys."""
+        sorted_state = sort_state(state, self.modules)
+        filter = filter or {}
+        held = {sorted_state.module_key, *sorted_state.optimizer_keys}
+        plain: dict[str, Any] = {}
+        for key, obj in sorted_state.other.items():
+            _apply_filter(key, filter, obj.state_dict() if isinstance(obj, _Stateful) else obj, plain)
+        if self.full or held & set(filter) or sorted_state.item is None:  # a filter selects by name: one file
+            self._save_full(Path(path), sorted_state, plain, precision, filter)
+            return
+        engine = sorted_state.engine
+        trainer_state = {**plain, FABRIC_KEY: _record(sorted_state, precision)}
+        if sorted_state.optimizer_keys:
+            trainer_state["optimizer_states"] = [{} for _ in engine.optimizers]  # their state goes to the shards
+        save_sharded(engine, path, trainer_state, save_info(precision.precision))
+
+    def _save_full(self, path: Path, sorted_state: SortedState, plain: dict[str, Any],
+                   precision: ZeroFabricPrecision, filter: dict[str, Any]) -> None:
+        content: dict[str, Any] = dict(plain)
+        if sorted_state.item is not None and sorted_state.module_key is not None:
+            engine = sorted_state.engine
+            content[sorted_state.module_key] = full_weights(engine, filter.get(sorted_state.module_key))
+            for key, index in sorted_state.optimizer_keys.items():
+                _apply_filter(key, filter, full_optimizer_state(engine, engine.optimizers[index]), content)
+            content[FABRIC_KEY] = _record(sorted_state, precision)
+        if self.is_leader():  # the others hold no values (see [Note: the consolidated Fabric file])
+            if path.is_dir():
+                raise CheckpointError(f"{path} is a directory; the consolidated checkpoint is one file")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.partial")
+            torch.save(content, partial)
+            os.replace(partial, path)  # a crash mid-save leaves the previous file
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load(self, path: str | os.PathLike, state: Any, precision: ZeroFabricPrecision, strict: bool,
+             weights_only: bool | None) -> dict[str, Any]:
+        """Restore ``state`` in place (a dict, or a module / optimizer for ``load_raw``); returns what the checkpoint
+        holds beyond it. Collective."""
+        target = Path(path)
+        if isinstance(state, nn.Module):
+            load_raw_module(self.modules.find(state).engine, target, strict)
+            return {}
+        if isinstance(state, Optimizer):
+            content = _load_file(target, weights_only)
+            load_full_optimizer_state(self.modules.engine_of(state), state, content)
+            return {}
+        if target.is_dir() and (target / MANIFEST_NAME).is_file():
+            return self._load_sharded(target, state or {}, precision, strict, weights_only)
+        content = _load_file(target, weights_only)
+        if not state:
+            return {key: value for key, value in content.items() if key != FABRIC_KEY}
+        return self._load_full(content, state, precision, strict)
+
+    def _load_sharded(self, path: Path, state: dict[str, Any], precision: ZeroFabricPrecision, strict: bool,
+                      weights_only: bool | None) -> dict[str, Any]:
+        opened = ShardedCheckpoint(path)
+        try:
+            saved = opened.trainer_state(weights_only)
+            record = saved.pop(FABRIC_KEY, {})
+            param_groups, buffers = saved.pop(PARAM_GROUPS_KEY, []), saved.pop(BUFFERS_KEY, {})
+            saved.pop("optimizer_states", None)
+            if not state:
+                return saved
+            sorted_state = sort_state(state, self.modules)
+            keys = set(saved) | {record.get("module")} | set(record.get("optimizers", {}))
+            _validate_keys_for_strict_loading(state.keys(), keys, strict)
+            engine = sorted_state.engine
+            with_optimizer = bool(sorted_state.optimizer_keys) and opened.manifest.has_optimizer_state
+            check_compatible(engine, opened, strict=strict, with_optimizer=with_optimizer)
+            load_weights(engine, opened)
+            engine.module.load_state_dict(buffers, strict=False)
+            if with_optimizer:
+                load_optimizer_state(engine, opened, param_groups)
+        finally:
+            opened.close()
+        precision.load_state_dict(record.get("precision", {}))
+        return _restore_others(state, set(sorted_state.other), saved)
+
+    def _load_full(self, content: dict[str, Any], state: dict[str, Any], precision: ZeroFabricPrecision,
+                   strict: bool) -> dict[str, Any]:
+        content = dict(content)
+        record = content.pop(FABRIC_KEY, {})
+        _validate_keys_for_strict_loading(state.keys(), content.keys(), strict)
+        sorted_state = sort_state(state, self.modules)
+        if sorted_state.module_key in content:
+            sorted_state.engine.module.load_state_dict(content.pop(sorted_state.module_key), strict=strict)
+        for key, index in sorted_state.optimizer_keys.items():
+            if key in content:
+                engine = sorted_state.engine
+                load_full_optimizer_state(engine, engine.optimizers[index], content.pop(key))
+        precision.load_state_dict(record.get("precision", {}))
+        return _restore_others(state, set(sorted_state.other), content)
+
+
+def save_info(
+    precision: str, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None
+) -> SaveInfo:
+    """What a checkpoint's manifest records besides the engine (both adapters' saves); ``renames``: the keys the
+    Trainer's save hooks renamed or dropped."""
+    versions = {"zero_strategy": library_version(), "torch": torch.__version__, "lightning": lightning.__version__}
+    return SaveInfo(precision, {}, versions, dict(extra or {}), dict(renames or {}))
+
+
+def _record(sorted_state: SortedState, precision: ZeroFabricPrecision) -> dict[str, Any]:
+    return {"module": sorted_state.module_key, "optimizers": dict(sorted_state.optimizer_keys),
+            "precision": precision.state_dict()}
+
+
+def _restore_others(state: dict[str, Any], others: set[str], saved: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's rule for the entries ``others`` of ``state``: stateful objects load in place, plain values replace
+    the state's; the checkpoint's entries left over are returned."""
+    remainder = dict(saved)
+    for key in others:
+        if key not in remainder:
+            continue
+        if isinstance(state[key], _Stateful):
+            state[key].load_state_dict(remainder.pop(key))
+        else:
+            state[key] = remainder.pop(key)
+    return remainder
+
+
+def _load_file(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """A consolidated checkpoint, memory-mapped (every rank reads it; each copies only its ranges)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is neither a ZeRO sharded checkpoint directory nor a checkpoint file")
+    safe = True if weights_only is None else weights_only
+    return dict(torch.load(path, mmap=True, map_location="cpu", weights_only=safe))
+
+
+def load_raw_module(engine: ZeroEngine, path: Path, strict: bool) -> None:
+    """A whole state dict (any pretrained kind ``open_pretrained`` reads) into ``engine``'s slices, each rank reading
+    only the element ranges it keeps; buffers whole. Collective (the slices are published)."""
+    module = engine.module
+    with open_pretrained(path) as source:
+        match = match_keys(source, expected_shapes(module), strict, alias_groups(module), str(source.path))
+        plan = {name: (source, source_name) for name, source_name in match.plan.items()}
+        engine.before_load()
+        load_pretrained(module, engine.flat_params, Pretrained(plan), engine.ctx.rank)
+    engine.after_load()
