@@ -110,8 +110,8 @@ def _build_fsdp2(shape: ModelShape, nvme_dir: str) -> Built:
 
 def _build_zero(shape: ModelShape, nvme_dir: str, nvme: bool) -> Built:
     from zero_strategy.config import OffloadDevice, ZeroConfig
-    from zero_strategy.core.deferred import record_construction
-    from zero_strategy.core.materialize import InitialValues
+    from zero_strategy.core.init import record_construction
+    from zero_strategy.core.init.materialize import InitialValues
     from zero_strategy.core.step.engine import ZeroEngine
 
     with record_construction() as recording:

@@ -41,7 +41,7 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     from safetensors import safe_open
 
     from zero_strategy.config import ZeroConfig
-    from zero_strategy.core.deferred import record_construction
+    from zero_strategy.core.init import record_construction
     from zero_strategy.core.step.engine import ZeroEngine
     from zero_strategy.fabric.sharded_init import initial_values
 

@@ -14,7 +14,7 @@ import torch
 MIN_TORCH = (2, 13)
 """The oldest torch the test suite runs on. The code itself needs at least torch 2.6 (``isend``/``irecv`` with
 ``group_dst``/``group_src``), and sharded construction recognizes the ``nn.init`` functions that skip meta tensors
-by torch 2.13's code (see [Note: nn.init functions that skip meta tensors] in core/deferred/profile_hook.py);
+by torch 2.13's code (see [Note: nn.init functions that skip meta tensors] in core/init/profile_hook.py);
 versions in between are not tested, so they are refused. A newer torch is not refused here: pip keeps to the range
 below on install, and a torch forced past it is the user's informed choice."""
 

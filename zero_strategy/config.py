@@ -156,7 +156,7 @@ class ZeroConfig:
     """How a model built on the meta device (``configure_model``, ``init_module(empty_init=True)``) gets its values
     when it is sharded: "replay" replays its recorded construction (the values an eager build gives, bit for bit);
     "reset_parameters" replays it, then calls every module's ``reset_parameters()`` in module order (FSDP's contract,
-    which litgpt's pretraining relies on; see [Note: the reset_parameters contract] in core/deferred/resets.py)."""
+    which litgpt's pretraining relies on; see [Note: the reset_parameters contract] in core/init/resets.py)."""
 
     shard_group_size: Any = None  # int | "node" | None; `Any` because OmegaConf 2.3 rejects Union fields
     """Hybrid sharding: K ranks share one copy of the sharded state (ZeRO inside each group of K consecutive ranks,

@@ -10,8 +10,8 @@ from helpers.meta_models import build
 from helpers.models import clone_state, lm_loss, make_batches, rank_slice
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.deferred import record_construction
-from zero_strategy.core.materialize import InitialValues, Pretrained
+from zero_strategy.core.init import record_construction
+from zero_strategy.core.init.materialize import InitialValues, Pretrained
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.release import ReleasedShards
 from zero_strategy.testing import run_ranks

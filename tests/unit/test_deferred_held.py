@@ -12,7 +12,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from zero_strategy.core.deferred import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
 
 SEED = 77
 CLASSES = 5

@@ -11,7 +11,7 @@ from helpers.meta_models import sinusoid_table
 from helpers.storage_meter import StoragePeakMeter
 from torch import Tensor, nn
 
-from zero_strategy.core.deferred import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
 
 SEED = 1234
 

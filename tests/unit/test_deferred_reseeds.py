@@ -15,7 +15,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 
-from zero_strategy.core.deferred import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
 
 SEED = 1234
 # a generator state taken before (outside) any build: setting it inside the build is a value, not a position

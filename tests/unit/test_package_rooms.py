@@ -179,6 +179,27 @@ def test_no_import_cycles_and_no_arrow_pointing_up():
             assert not {t for t in targets if t.startswith("zero_strategy.lightning")}, module
 
 
+CORE_ROOMS = ["plan", "comm", "flat", "init", "runtime", "step"]  # each imports only the rooms before it
+
+
+@pytest.mark.timeout(30)
+def test_core_rooms_import_downwards_only():
+    """The README's layout: plan ← comm ← flat ← init ← runtime ← step (and stage.py, which any room may read)."""
+    upward = []
+    for module, targets in _import_graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["zero_strategy", "core"] or len(parts) < 4:
+            continue
+        room = CORE_ROOMS.index(parts[2])
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[:2] == ["zero_strategy", "core"] and len(tparts) >= 4 and CORE_ROOMS.index(tparts[2]) > room:
+                upward.append(f"{module} -> {target}")
+    assert sorted(set(CORE_ROOMS) | {"stage.py", "__init__.py"}) == sorted(
+        p.name for p in (PACKAGE / "core").iterdir() if p.name != "__pycache__"), "a new room belongs in CORE_ROOMS"
+    assert not upward, upward
+
+
 TRANSPORTS = {
     f"zero_strategy.core.comm.{name}"
     for name in ("native", "point_to_point", "shared_memory", "shm_exchange", "host_segments", "watch", "watched",

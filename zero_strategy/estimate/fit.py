@@ -2,7 +2,7 @@
 
 Set-up is the engine's constructor (building the FlatParams, then giving them values); training is the steady
 state that :mod:`.memory` itemizes. The set-up arithmetic mirrors ``core/flat_param.py`` (``_build_buffers``) and
-``core/materialize.py``; Ψ = parameters, N = ranks, p = the parameters' bytes (fp32: 4), c = compute bytes, U = the
+``core/init/materialize.py``; Ψ = parameters, N = ranks, p = the parameters' bytes (fp32: 4), c = compute bytes, U = the
 largest unit:
 
 - every run ends set-up holding the compute copies (stages 1/2: ``full``, cΨ; stage 3 built on meta: nothing) and

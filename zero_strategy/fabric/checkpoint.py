@@ -35,7 +35,7 @@ from zero_strategy.checkpoint.pretrained import open_pretrained
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.save import SaveInfo, save_sharded
-from zero_strategy.core.materialize import Pretrained, load_pretrained
+from zero_strategy.core.init.materialize import Pretrained, load_pretrained
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.fabric.full_state import full_optimizer_state, full_weights, load_full_optimizer_state
 from zero_strategy.fabric.precision import ZeroFabricPrecision

@@ -1,6 +1,6 @@
 """Sharded construction and pretrained loading, shared by both adapters (the Trainer's imports it from here): what
 the construction hooks record, and which files fill which names when the model is sharded (see [Note: sharded
-construction] in core/materialize.py and [Note: the reset_parameters contract] in core/deferred/resets.py)."""
+construction] in core/init/materialize.py and [Note: the reset_parameters contract] in core/init/resets.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from zero_strategy.checkpoint.pretrained import (
 )
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import MetaInit, ZeroConfig
-from zero_strategy.core.deferred import Recording, materialize_module, record_construction, record_resets
-from zero_strategy.core.materialize import InitialValues, Pretrained, WeightsReader, meta_names
+from zero_strategy.core.init import Recording, materialize_module, record_construction, record_resets
+from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader, meta_names
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.release import ReleasedShards
 
@@ -59,7 +59,7 @@ class ConstructionRecorder:
         """A build that made no parameter or buffer on the meta device (the network came from ``__init__``), only
         other tensors (metrics built in ``configure_model``), has nothing to shard: those tensors get their values
         now, on this rank, as an eager build on this rank gives them (see [Note: held tensors] in
-        core/deferred/held.py), before Lightning moves the module to its device."""
+        core/init/held.py), before Lightning moves the module to its device."""
         recording = self.recording
         if recording is not None and recording.made_tensors and not meta_names(module):
             self.recording = None

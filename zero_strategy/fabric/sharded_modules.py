@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_strategy.core.materialize import InitialValues
+from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import param_owners
 from zero_strategy.fabric.forward_entry import ForwardEntry

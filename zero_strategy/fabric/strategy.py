@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from zero_strategy.config import CheckpointFormat, ZeroConfig
-from zero_strategy.core.materialize import InitialValues
+from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.fabric.checkpoint import FabricCheckpoints
@@ -202,7 +202,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ParallelStrategy, _Sharded):
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)``: build on the meta device, recording the construction (see [Note:
-        sharded construction] in core/materialize.py); otherwise Fabric's default (built whole on every rank)."""
+        sharded construction] in core/init/materialize.py); otherwise Fabric's default (built whole on every rank)."""
         if not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()

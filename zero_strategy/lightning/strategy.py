@@ -282,7 +282,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)``: build on the meta device, recording the construction (see
-        [Note: sharded construction] in core/materialize.py); otherwise Lightning's default."""
+        [Note: sharded construction] in core/init/materialize.py); otherwise Lightning's default."""
         if not empty_init:
             with super().tensor_init_context(empty_init):
                 yield

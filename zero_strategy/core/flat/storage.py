@@ -52,7 +52,7 @@ class FlatStorage:
         host_full: FullBuffer | None = None,
     ) -> None:
         """``initial``: the parameters' values laid out flat (padded, their own dtype), the same on every rank; None
-        when they arrive later (sharded construction, see core/materialize.py). ``host_full``: a host-wide gathered
+        when they arrive later (sharded construction, see core/init/materialize.py). ``host_full``: a host-wide gathered
         buffer from the comm plan, or None."""
         self.spec = spec
         self.placement = options.placement

@@ -13,12 +13,12 @@ from torch.optim import Optimizer
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.plan import CommPlan
-from zero_strategy.core.deferred import ReplayStats
 from zero_strategy.core.flat.flat_param import FlatLinks, FlatParam
 from zero_strategy.core.flat.full_buffer import FullBuffer
 from zero_strategy.core.flat.placement import Placement, make_placement
 from zero_strategy.core.flat.storage import FlatStorage, StorageOptions
-from zero_strategy.core.materialize import (
+from zero_strategy.core.init import ReplayStats
+from zero_strategy.core.init.materialize import (
     InitialValues,
     check_materializable,
     load_pretrained,

@@ -33,7 +33,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import watching
-from zero_strategy.core.materialize import InitialValues
+from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
 from zero_strategy.core.runtime.hooks import RuntimeHooks

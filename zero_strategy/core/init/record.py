@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero_strategy.core.deferred.generators import GeneratorStates, RestoreState
-from zero_strategy.core.deferred.ops import (
+from zero_strategy.core.init.generators import GeneratorStates, RestoreState
+from zero_strategy.core.init.ops import (
     DeferredInitError,
     RealRef,
     RecordedOp,
@@ -21,7 +21,7 @@ from zero_strategy.core.deferred.ops import (
     is_random,
     overwrites_destination,
 )
-from zero_strategy.core.deferred.where import module_code_in_frames, rng_remedy
+from zero_strategy.core.init.where import module_code_in_frames, rng_remedy
 
 
 class Recording:

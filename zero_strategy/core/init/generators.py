@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.core.deferred.ops import DeferredInitError, RecordedOp
+from zero_strategy.core.init.ops import DeferredInitError, RecordedOp
 
 # `torch.Generator` methods that set a generator's state (every reseeding API above ends in one of them).
 RESEEDING_METHODS = frozenset({"manual_seed", "set_state", "seed", "set_offset", "graphsafe_set_state"})

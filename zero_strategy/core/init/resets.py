@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from zero_strategy.core.deferred.capture import continue_recording
-from zero_strategy.core.deferred.record import Recording
+from zero_strategy.core.init.capture import continue_recording
+from zero_strategy.core.init.record import Recording
 
 
 def record_resets(module: nn.Module, recording: Recording) -> None:

@@ -4,8 +4,8 @@ and at stages 1/2 the full parameters every rank holds anyway), so no rank ever 
 
 [Note: sharded construction]
 A module built on the meta device (Lightning's ``configure_model`` / ``init_module(empty_init=True)``, or
-``core.deferred.record_construction``) has shapes but no values. The engine plans units from the shapes, gives
-every FlatParam its real (empty) buffers, then replays the recorded construction (core/deferred/): each
+``core.init.record_construction``) has shapes but no values. The engine plans units from the shapes, gives
+every FlatParam its real (empty) buffers, then replays the recorded construction (core/init/): each
 parameter's value, bit-for-bit what an eager build with the same seed produces, is handed over as soon as it is
 final; the FlatParam copies this rank's part into its shard and the replay frees it. Every rank replays from
 rank 0's recorded generator states (where the build started, and every state it set: a seed in configure_model,
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.core.comm.comm import Comm
-from zero_strategy.core.deferred import FinalTensor, Recording, ReplayPlan, ReplayStats
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.init import FinalTensor, Recording, ReplayPlan, ReplayStats
 
 
 class WeightsReader(Protocol):
@@ -79,7 +79,7 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
         raise UnmaterializedError(
             f"the module has tensors on the meta device ({shown}) and no recording of how they were built. Build "
             "it in LightningModule.configure_model() or under Trainer.init_module(empty_init=True) with a ZeRO "
-            "strategy, or under zero_strategy.core.deferred.record_construction() and pass "
+            "strategy, or under zero_strategy.core.init.record_construction() and pass "
             "initial_values=InitialValues(recording=...) to ZeroEngine."
         )
     return values.device or values.recording.device

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.core.deferred.ops import DeferredInitError, TensorRef
-from zero_strategy.core.deferred.record import Recording
+from zero_strategy.core.init.ops import DeferredInitError, TensorRef
+from zero_strategy.core.init.record import Recording
 
 _MAX_DEPTH = 4  # containers within containers looked into (a Metric's list state inside `_defaults` is depth 2)
 

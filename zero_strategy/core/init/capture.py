@@ -16,10 +16,10 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zero_strategy.core.deferred.ops import DeferredInitError, is_random
-from zero_strategy.core.deferred.profile_hook import profile_hook
-from zero_strategy.core.deferred.record import Recording
-from zero_strategy.core.deferred.where import module_code_in_frames, rng_remedy
+from zero_strategy.core.init.ops import DeferredInitError, is_random
+from zero_strategy.core.init.profile_hook import profile_hook
+from zero_strategy.core.init.record import Recording
+from zero_strategy.core.init.where import module_code_in_frames, rng_remedy
 
 aten = torch.ops.aten
 _META = torch.device("meta")

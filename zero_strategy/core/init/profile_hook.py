@@ -12,12 +12,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from zero_strategy.core.deferred.generators import RESEEDING_METHODS
-from zero_strategy.core.deferred.where import module_code_in_frames
+from zero_strategy.core.init.generators import RESEEDING_METHODS
+from zero_strategy.core.init.where import module_code_in_frames
 
 
 class Recording(Protocol):
-    """What the hook writes to (core/deferred/record.py's Recording; a protocol, so the two modules import one way)."""
+    """What the hook writes to (core/init/record.py's Recording; a protocol, so the two modules import one way)."""
 
     _black_box_frame: types.FrameType | None
 

@@ -11,7 +11,7 @@ Design ("sharded construction"):
   (see [Note: reseeds inside the build] in generators.py). A random op on a real tensor, or reading values
   (`.item()`, `bool()`, `.tolist()`, numpy), is an error naming the module code, never silently different
   values. `nn.init` functions that skip meta tensors in torch 2.13 are recorded as whole calls.
-* Planning (`ReplayPlan`): a backward liveness pass over the ops (see [Note: replay liveness] in plan.py)
+* Planning (`ReplayPlan`): a backward liveness pass over the ops (see [Note: replay liveness] in replay_plan.py)
   decides per op: run on real storage, run on scratch (random, result never read: only its draws matter), or skip.
 * Replay (`ReplayPlan.replay`): the generator is reset to the recorded state and the live ops run in order on
   real tensors; each parameter/buffer value is handed to a callback as soon as its last write is done, then
@@ -22,12 +22,12 @@ Design ("sharded construction"):
 * `materialize_module` replays into the module itself, keeping Parameter identity and ties.
 """
 
-from zero_strategy.core.deferred.capture import record_construction
-from zero_strategy.core.deferred.ops import DeferredInitError
-from zero_strategy.core.deferred.plan import FinalTensor
-from zero_strategy.core.deferred.record import Recording
-from zero_strategy.core.deferred.replay import ReplayPlan, ReplayStats, materialize_module
-from zero_strategy.core.deferred.resets import record_resets
+from zero_strategy.core.init.capture import record_construction
+from zero_strategy.core.init.ops import DeferredInitError
+from zero_strategy.core.init.record import Recording
+from zero_strategy.core.init.replay import ReplayPlan, ReplayStats, materialize_module
+from zero_strategy.core.init.replay_plan import FinalTensor
+from zero_strategy.core.init.resets import record_resets
 
 __all__ = [
     "DeferredInitError",

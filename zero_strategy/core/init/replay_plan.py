@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.core.deferred.held import HeldTensor
-from zero_strategy.core.deferred.ops import DeferredInitError, RecordedOp, TensorRef
-from zero_strategy.core.deferred.record import Recording
+from zero_strategy.core.init.held import HeldTensor
+from zero_strategy.core.init.ops import DeferredInitError, RecordedOp, TensorRef
+from zero_strategy.core.init.record import Recording
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero_strategy.core.deferred.held import HeldTensor, held_tensors
-from zero_strategy.core.deferred.ops import DeferredInitError, RealRef, RecordedOp, TensorRef
-from zero_strategy.core.deferred.plan import FinalTensor, Step, final_tensors, plan_steps
-from zero_strategy.core.deferred.record import Recording
+from zero_strategy.core.init.held import HeldTensor, held_tensors
+from zero_strategy.core.init.ops import DeferredInitError, RealRef, RecordedOp, TensorRef
+from zero_strategy.core.init.record import Recording
+from zero_strategy.core.init.replay_plan import FinalTensor, Step, final_tensors, plan_steps
 
 OnFinal = Callable[[FinalTensor, Tensor], None]
 
