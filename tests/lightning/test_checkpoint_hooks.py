@@ -3,7 +3,8 @@ see [Note: restoring before setup] in lightning/checkpoint_hooks.py and [Note: t
 in lightning/hook_state_dict.py): callbacks are restored before on_fit_start (ModelCheckpoint.best_model_path is
 known there, as under DDP); on_save_checkpoint sees every key and a removed key is left out; on_load_checkpoint
 sees every key and renames take effect (a checkpoint of `net.*` loads into a module whose attribute is `model`);
-a replaced value is an error, not silently dropped."""
+a replaced value is an error, not silently dropped. At every stage, stage 3 on both transports (one host's shared
+memory and point-to-point), on 1 and 2 processes."""
 
 from __future__ import annotations
 
@@ -18,10 +19,18 @@ from helpers.lit import loader
 from helpers.models import TiedLM, lm_loss
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
 FROZEN = "net.blocks.1."
+STRATEGIES = {
+    "ddp": lambda: "ddp",
+    "zero1": lambda: "zero1",
+    "zero2": lambda: "zero2",
+    "zero3": lambda: ZeroStrategy(stage=3, collectives="auto"),
+    "zero3_point_to_point": lambda: ZeroStrategy(stage=3, collectives="point_to_point"),
+}
 
 
 class Hooked(pl.LightningModule):
@@ -64,15 +73,15 @@ class Hooked(pl.LightningModule):
 
 def _trainer(strategy: str, root: Path, world: int, epochs: int) -> pl.Trainer:
     checkpoint = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=1, filename="best")
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=epochs, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    return pl.Trainer(strategy=STRATEGIES[strategy](), accelerator="cpu", devices=world, max_epochs=epochs,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       callbacks=[checkpoint])
 
 
 def fit_save_resume(rank: int, world: int, root: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     out: dict = {}
-    for strategy in ("ddp", "zero3"):
+    for strategy in STRATEGIES:
         folder = Path(root) / strategy
         pl.seed_everything(0, verbose=False)
         first = Hooked()
@@ -96,16 +105,20 @@ def fit_save_resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_checkpoint_hooks_edit_keys_and_callbacks_restore_before_fit_start(tmp_path: Path) -> None:
-    results = run_ranks(fit_save_resume, 2, str(tmp_path), timeout_s=250)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2], ids=["1_process", "2_processes"])
+def test_checkpoint_hooks_edit_keys_and_callbacks_restore_before_fit_start(tmp_path: Path, world: int) -> None:
+    results = run_ranks(fit_save_resume, world, str(tmp_path), timeout_s=400)
     for rank, result in enumerate(results):
-        ddp, zero = result["ddp"], result["zero3"]
+        ddp = result["ddp"]
         assert ddp["best_at_fit_start"].endswith("best.ckpt"), ddp["best_at_fit_start"]  # what DDP restores first
-        assert zero["best_at_fit_start"] == ddp["best_at_fit_start"].replace("/ddp/", "/zero3/"), rank
-        assert zero["final"].keys() == ddp["final"].keys()
-        for key, value in ddp["final"].items():  # the renamed keys loaded, the dropped block kept its new init
-            torch.testing.assert_close(zero["final"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        for name in [n for n in STRATEGIES if n != "ddp"]:
+            zero = result[name]
+            assert zero["best_at_fit_start"] == ddp["best_at_fit_start"].replace("/ddp/", f"/{name}/"), (name, rank)
+            assert zero["final"].keys() == ddp["final"].keys(), name
+            for key, value in ddp["final"].items():  # the renamed keys loaded, the dropped block kept its new init
+                torch.testing.assert_close(zero["final"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
         assert "net.head.weight" in result["replaces"] and "only keys can be edited" in result["replaces"]
-    saved = torch.load(consolidate(tmp_path / "zero3" / "best.ckpt", tmp_path / "best.pt"), weights_only=True)
-    assert saved and not [k for k in saved if k.startswith(FROZEN)], sorted(saved)
+    for name in [n for n in STRATEGIES if n != "ddp"]:
+        saved = torch.load(consolidate(tmp_path / name / "best.ckpt", tmp_path / f"{name}.pt"), weights_only=True)
+        assert saved and not [k for k in saved if k.startswith(FROZEN)], (name, sorted(saved))

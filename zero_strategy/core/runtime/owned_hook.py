@@ -45,3 +45,6 @@ class ParameterHook:
     def __call__(self, *hook_args: Any) -> Any:
         method = self._method()
         return None if method is None else method(*self._args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert  # a copied parameter's hook must not drive this engine (see the module docstring)

@@ -17,7 +17,6 @@ published to the module (stages 1/2 gather them), so it is a collective: every r
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch.overrides import is_tensor_like
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 
 
 class StateDictLoads:
@@ -40,8 +40,9 @@ class StateDictLoads:
         self._depth = 0
         self._taken: set[str] = set()  # keys written into the slices during the current outermost call
         for sub in module.modules():
-            self._handles.append(sub.register_load_state_dict_pre_hook(self._before))
-            self._handles.append(sub.register_load_state_dict_post_hook(partial(self._after)))
+            # OwnedHook: a deep copy of the module gets inert hooks, not this engine (core/runtime/owned_hook.py)
+            self._handles.append(sub.register_load_state_dict_pre_hook(OwnedHook(self._before)))
+            self._handles.append(sub.register_load_state_dict_post_hook(OwnedHook(self._after)))
 
     def remove(self) -> None:
         for handle in self._handles:
