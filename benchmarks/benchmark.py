@@ -32,6 +32,7 @@ from benchmarks.bench_counter import CollectiveCounter, MethodRun
 from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from benchmarks.bench_spread import repetition_table
+from zero_strategy.core.flat.access import own_grad
 from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
 
@@ -130,7 +131,9 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
     sharers = {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.storage.full.readable_in_place}
     with torch.no_grad():
         param_bytes = _distinct_bytes(list(params.values()), seen, sharers)
-        grad_bytes = _distinct_bytes([p.grad for p in params.values() if p.grad is not None], seen)
+        # own_grad: counting the storages is not a user's read of p.grad (no ShardedGradientWarning)
+        grads = [own_grad(p) for p in params.values()]
+        grad_bytes = _distinct_bytes([g for g in grads if g is not None], seen)
         states = [v for s in run.state_optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
         return param_bytes, grad_bytes, _distinct_bytes(states, seen)
 
