@@ -1,7 +1,6 @@
-"""Lightning patterns that break naive sharding (the team's issue "Any LightningModule, really"): a manual
-optimization step with two forwards and two backwards (a closure), parameters read after the step, the module's
-state_dict inside the step, a deep copy of the network at fit start. Each records what it saw, per rank, so a test
-compares ZeRO with DDP doing the same."""
+"""Lightning patterns that break naive sharding: a manual optimization step with two forwards and two backwards (a
+closure), parameters read after the step, the module's state_dict inside the step, a deep copy of the network at fit
+start. Each records what it saw, per rank, so a test compares ZeRO with DDP doing the same."""
 
 from __future__ import annotations
 

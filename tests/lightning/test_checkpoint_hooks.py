@@ -1,10 +1,10 @@
-"""Lightning's checkpoint hooks under ZeRO, against DDP (the team's issue "Any LightningModule, really", item 6;
-see [Note: restoring before setup] in lightning/checkpoint_hooks.py and [Note: the state dict in Lightning's hooks]
-in lightning/hook_state_dict.py): callbacks are restored before on_fit_start (ModelCheckpoint.best_model_path is
-known there, as under DDP); on_save_checkpoint sees every key and a removed key is left out; on_load_checkpoint
-sees every key and renames take effect (a checkpoint of `net.*` loads into a module whose attribute is `model`);
-a replaced value is an error, not silently dropped. At every stage, stage 3 on both transports (one host's shared
-memory and point-to-point), on 1 and 2 processes."""
+"""Lightning's checkpoint hooks under ZeRO, against DDP (see [Note: restoring before setup] in
+lightning/checkpoint_hooks.py and [Note: the state dict in Lightning's hooks] in lightning/hook_state_dict.py):
+callbacks are restored before on_fit_start (ModelCheckpoint.best_model_path is known there, as under DDP);
+on_save_checkpoint sees every key and a removed key is left out; on_load_checkpoint sees every key and renames take
+effect (a checkpoint of `net.*` loads into a module whose attribute is `model`); a replaced value is an error, not
+silently dropped. At every stage, stage 3 on both transports (one host's shared memory and point-to-point), on 1 and
+2 processes."""
 
 from __future__ import annotations
 

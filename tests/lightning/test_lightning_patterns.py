@@ -1,9 +1,8 @@
-"""Lightning patterns under ZeRO against DDP (the team's issue "Any LightningModule, really", items 1 and 2): a
-manual step with two forwards and two backwards, a parameter read after the step (inside gathered_parameters),
-state_dict() inside the step, a deep copy of the network at fit start — at every stage, stage 3 on both transports
-(one host's shared memory, and point-to-point: the path of GPUs and several nodes), on 1 and 2 processes. A plain
-read of a stage-3 parameter outside forward is a clear error naming it, never garbage (see [Note: parameters outside
-forward] in core/flat/access.py)."""
+"""Lightning patterns under ZeRO against DDP: a manual step with two forwards and two backwards, a parameter read after
+the step (inside gathered_parameters), state_dict() inside the step, a deep copy of the network at fit start — at
+every stage, stage 3 on both transports (one host's shared memory, and point-to-point: the path of GPUs and several
+nodes), on 1 and 2 processes. A plain read of a stage-3 parameter outside forward is a clear error naming it, never
+garbage (see [Note: parameters outside forward] in core/flat/access.py)."""
 
 from __future__ import annotations
 
