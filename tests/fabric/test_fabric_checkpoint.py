@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fabric_runs import Net, train, weights
-from helpers.litgpt_runs import externally_launched, make_fabric
+from helpers.launched import as_launched_rank
+from helpers.litgpt_runs import make_fabric
 from helpers.models import assert_state_close
 from torch import nn
 
@@ -46,7 +47,7 @@ def _two_steps(fabric, state: dict, first: int) -> None:
 
 def save_and_continue(rank: int, world: int, root: str) -> dict:
     """zero3: 2 steps, save (sharded and full), 2 more steps; the consolidated file and a filtered save."""
-    externally_launched(rank, world)
+    as_launched_rank(rank, world)
     out: dict = {}
     for full in (False, True):
         fabric = make_fabric(_strategy(3, full), world)
@@ -67,7 +68,7 @@ def save_and_continue(rank: int, world: int, root: str) -> dict:
 
 def load_elsewhere(rank: int, world: int, root: str, stage: int) -> dict:
     """Resume both checkpoints at ``stage`` on this world and train the same 2 steps; strict checks."""
-    externally_launched(rank, world)
+    as_launched_rank(rank, world)
     out: dict = {}
     for full in (False, True):
         fabric = make_fabric(_strategy(stage), world)

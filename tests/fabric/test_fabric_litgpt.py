@@ -22,7 +22,8 @@ from helpers.models import assert_state_close
 
 pytest.importorskip("litgpt", reason="litgpt is installed by `make setup` with `pip install --no-deps litgpt==0.5.13`")
 
-from helpers.litgpt_runs import externally_launched, finetune, make_fabric, pretrain, tiny_config
+from helpers.launched import as_launched_rank
+from helpers.litgpt_runs import finetune, make_fabric, pretrain, tiny_config
 
 from zero_strategy import ZeroFabricStrategy
 from zero_strategy.testing import run_ranks
@@ -44,7 +45,7 @@ def _strategy(name: str, full: bool) -> object:
 
 
 def litgpt_runs(rank: int, world: int, root: str) -> dict:
-    externally_launched(rank, world)
+    as_launched_rank(rank, world)
     base = Path(root)
     out: dict = {}
     for name in NAMES:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.fabric_runs import Net, batch, train, weights
-from helpers.litgpt_runs import externally_launched, make_fabric
+from helpers.launched import as_launched_rank
+from helpers.litgpt_runs import make_fabric
 from helpers.models import assert_state_close
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
@@ -127,7 +128,7 @@ def _cleared_through_the_wrapper(name: str, world: int) -> dict:
 
 
 def each_strategy(rank: int, world: int) -> dict:
-    externally_launched(rank, world)
+    as_launched_rank(rank, world)
     out: dict = {}
     for name in ("ddp", "zero1", "zero2", "zero3"):
         out[(name, "norm")] = _adamw_norm(name, world, split=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.litgpt_runs import externally_launched
+from helpers.launched import as_launched_rank
 from lightning.fabric import Fabric
 from precision.test_precision_parity import ACCUM, PER_RANK, Net, batches, loss_of, reference
 
@@ -45,7 +45,7 @@ def _run(fabric: Fabric, steps: list[int], overflow_at: int | None = None,
 
 
 def each_precision(rank: int, world: int) -> dict:
-    externally_launched(rank, world)
+    as_launched_rank(rank, world)
     out: dict = {}
     for precision in DTYPES:
         for stage in (1, 2, 3):

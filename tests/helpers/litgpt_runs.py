@@ -8,7 +8,6 @@ patch is made inside the rank process (run_ranks forks it), so the test process 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +68,6 @@ def _patch_litgpt(module: Any) -> None:
     torch.compile = lambda model, *args, **kwargs: model  # type: ignore[assignment]  # CPU: no inductor here
     module.save_hyperparameters = lambda *args, **kwargs: None  # needs jsonargparse and the command line
 
-
-def externally_launched(rank: int, world_size: int) -> None:
-    """What torchrun sets: Fabric sees LOCAL_RANK and runs in this process (run_ranks made the process group)."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
 
 
 def make_fabric(strategy: Any, world_size: int) -> Fabric:

@@ -8,13 +8,13 @@ silently dropped. At every stage, stage 3 on both transports (one host's shared 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from helpers.lit import loader
 from helpers.models import TiedLM, lm_loss
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -79,7 +79,7 @@ def _trainer(strategy: str, root: Path, world: int, epochs: int) -> pl.Trainer:
 
 
 def fit_save_resume(rank: int, world: int, root: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    as_launched_rank(rank, world)
     out: dict = {}
     for strategy in STRATEGIES:
         folder = Path(root) / strategy

@@ -6,11 +6,10 @@ garbage (see [Note: parameters outside forward] in core/flat/access.py)."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from helpers.lit import loader
 from helpers.lit_patterns import Patterns, patterns_result, tensors_of
 
@@ -28,7 +27,7 @@ STRATEGIES = {
 def fit_each(rank: int, world: int) -> dict:
     """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), DDP then every
     ZeRO strategy, each fitting the same model on the same data for 3 steps."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    as_launched_rank(rank, world)
     out = {}
     for name, make in {"ddp": lambda: "ddp", **STRATEGIES}.items():
         pl.seed_everything(0, verbose=False)

@@ -4,7 +4,6 @@ and trained by DDP."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from helpers.lit import train_loader, trainer_kwargs, val_loader
 from helpers.lit_meta import ConfiguredLM, LoadsInConfigureModel, MetricsOnlyInConfigureModel, SeededWithMetrics
 from helpers.meta_models import TransformerLM
@@ -23,19 +23,13 @@ from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
-
-def _launched_externally(rank: int, world_size: int) -> None:
-    """What torchrun sets: Lightning sees LOCAL_RANK and runs in this process instead of launching ranks."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
-
-
 Run = tuple[Callable[[], object], Callable[[], pl.LightningModule]]  # (strategy, module), made on the rank
 
 
 def fit_in_turn(rank: int, world_size: int, runs: list[Run]) -> None:
     """On one rank (launched by run_ranks), fit each (strategy, module) of ``runs`` in turn for 3 steps; the modules
     write their weights to their ``out_dir`` (read by ``_trained_state``)."""
-    _launched_externally(rank, world_size)
+    as_launched_rank(rank, world_size)
     for make_strategy, make_module in runs:
         pl.seed_everything(3, verbose=False)
         trainer = pl.Trainer(strategy=make_strategy(), **trainer_kwargs(
@@ -65,7 +59,7 @@ def _dir(tmp_path: Path, name: str) -> str:
 def fit_and_validate_each(rank: int, world_size: int, runs: tuple[tuple[str, str], ...]) -> dict:
     """On one rank of ``world_size`` (launched by run_ranks, as torchrun would: Lightning sees LOCAL_RANK and does not
     launch), fit then validate each (module, strategy) of ``runs`` in turn on the same process group."""
-    _launched_externally(rank, world_size)
+    as_launched_rank(rank, world_size)
     modules = {"seeded": SeededWithMetrics, "metrics_only": MetricsOnlyInConfigureModel}
     out = {}
     for module_name, strategy in runs:
