@@ -1,12 +1,17 @@
 """The main job (``examples/train.py``): configs compose and reject bad input early, the GPT and its data behave,
 and a tiny 2-process ZeRO run finishes and reports its perplexity."""
 
+import io
 import json
 import math
 import os
 import re
+import runpy
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,55 @@ def run_train(args: list[str], cwd: Path, timeout: float) -> subprocess.Complete
         timeout=timeout,
         check=False,
     )
+
+
+def run_train_forked(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python examples/train.py ARGS`` as :func:`run_train` runs it, in a child forked from this process: torch,
+    Lightning and Hydra are already imported, so a run that ends during validation takes milliseconds instead of a
+    new interpreter's seconds. The child runs the script as ``__main__`` with its own stdout and stderr and ends the
+    way the interpreter ends a script: ``SystemExit(None | int)`` is the exit status, any other ``SystemExit``
+    prints its value to stderr and exits 1, an uncaught exception prints its traceback and exits 1.
+    ``test_a_forked_run_reports_what_a_new_interpreter_reports`` holds the two runners to the same output."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            status = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), write_through=True)
+                sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), write_through=True)
+                for key in LAUNCH_ENV:
+                    os.environ.pop(key, None)
+                os.chdir(cwd)
+                sys.argv = [str(TRAIN_SCRIPT), *args]
+                try:
+                    runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
+                    status = 0
+                except SystemExit as exit_request:
+                    if exit_request.code is None or isinstance(exit_request.code, int):
+                        status = exit_request.code or 0
+                    else:
+                        print(exit_request.code, file=sys.stderr)
+                except BaseException:
+                    traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        deadline = time.monotonic() + timeout
+        while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(TRAIN_SCRIPT.name, timeout)
+            time.sleep(0.02)
+        returncode = os.waitstatus_to_exitcode(waited[1])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            [str(TRAIN_SCRIPT), *args], returncode, out.read().decode(), err.read().decode()
+        )
 
 
 def tiny_gpt(*, lr_schedule: bool = True) -> GPT:
@@ -92,13 +146,23 @@ def test_every_strategy_choice_composes_and_validates(stage: int, suffix: str) -
     ],
 )
 def test_bad_override_exits_early_naming_the_key(override: str, key: str, tmp_path: Path) -> None:
-    result = run_train([override, f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, timeout=50)
+    result = run_train_forked([override, f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, timeout=50)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert key in output
     assert "Traceback" not in output
     assert "Initializing distributed" not in output  # failed before any rank was started
 
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override", ["strategy.stage=7", "trainer.foo=1"])  # refused by us; refused by Hydra
+def test_a_forked_run_reports_what_a_new_interpreter_reports(override: str, tmp_path: Path) -> None:
+    """The forked runner the bad-override cases use ends as ``python examples/train.py`` does: same exit status,
+    same stdout, same stderr."""
+    forked = run_train_forked([override, f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, timeout=50)
+    fresh = run_train([override, f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, timeout=50)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode != 0 and fresh.stderr  # a failure that says something, so the comparison means something
 
 @pytest.mark.timeout(30)
 def test_hierarchical_params_override_reaches_the_strategy() -> None:
