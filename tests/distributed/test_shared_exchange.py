@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,9 +106,11 @@ def test_flat_params_larger_than_the_arenas_reduce_point_to_point_in_the_same_ru
         torch.testing.assert_close(got["weights"], expected["weights"], rtol=0, atol=0)
 
 
-def absent_peer_worker(rank, world_size, how, misses):
+def absent_peer_worker(rank, world_size, how, misses, reported: Path):
     """Rank 1 misses an exchange (``misses``: the first reduction of a stage-2 backward, or the stage-3 optimizer
-    step after a full backward) and sleeps or exits; rank 0 reports what its wait ended with."""
+    step after a full backward) and sleeps or exits; rank 0 reports what its wait ended with. A sleeping rank 1
+    stays alive until rank 0 has its outcome (the file ``reported`` appears; 10 s at most), so what ended rank 0's
+    wait cannot have been its exit."""
     stage = 2 if misses == "reduction" else 3
     model = make_model(n_blocks=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -118,7 +121,10 @@ def absent_peer_worker(rank, world_size, how, misses):
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
     if rank == 1:  # still running, or its process ends (a crash looks the same)
         if how == "sleeps":
-            time.sleep(5)
+            give_up = time.monotonic() + 10.0
+            while not reported.exists() and time.monotonic() < give_up:
+                time.sleep(0.02)
+            assert reported.exists(), "rank 0 did not report within 10 s"
         return None
     started = time.monotonic()
     try:
@@ -129,14 +135,17 @@ def absent_peer_worker(rank, world_size, how, misses):
                 optimizer.step()
     except shm_exchange.SharedReductionError as error:
         return {"message": str(error), "seconds": time.monotonic() - started}
+    finally:
+        reported.touch()
     return {"message": "", "seconds": time.monotonic() - started}
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "expected"), [("sleeps", r"rank\(s\) \[1\] did not reach.*unit 'blocks\.\d'.*"
                                                 "process_group_timeout_s=1"), ("exits", r"rank\(s\) \[1\].*exited")])
-def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected):
-    outcome = run_ranks(absent_peer_worker, 2, how, "reduction", timeout_s=40, pg_timeout_s=20)[0]
+def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected, tmp_path):
+    outcome = run_ranks(absent_peer_worker, 2, how, "reduction", tmp_path / "reported", timeout_s=40,
+                        pg_timeout_s=20)[0]
     assert outcome["message"], "the waiting rank must raise instead of hanging"
     assert re.search(expected, outcome["message"]), outcome["message"]
     assert outcome["seconds"] < 4.5  # the sleeping rank is still alive then: the timeout, not its exit, stopped us
@@ -145,10 +154,10 @@ def test_a_peer_that_never_arrives_is_an_error_naming_the_unit(how, expected):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "expected"), [("sleeps", r"rank\(s\) \[1\] did not reach.*used-parameter agreement.*"
                                                 "process_group_timeout_s=1"), ("exits", r"rank\(s\) \[1\].*exited")])
-def test_a_peer_that_skips_the_step_is_an_error_naming_the_agreement(how, expected):
+def test_a_peer_that_skips_the_step_is_an_error_naming_the_agreement(how, expected, tmp_path):
     """The per-step collectives that go through the shared counters (the agreement on used parameters, stage 3's
     barriers around the step) fail like the reductions: within the timeout, saying what was waited for."""
-    outcome = run_ranks(absent_peer_worker, 2, how, "step", timeout_s=40, pg_timeout_s=20)[0]
+    outcome = run_ranks(absent_peer_worker, 2, how, "step", tmp_path / "reported", timeout_s=40, pg_timeout_s=20)[0]
     assert outcome["message"], "the waiting rank must raise instead of hanging"
     assert re.search(expected, outcome["message"]), outcome["message"]
     assert outcome["seconds"] < 4.5
