@@ -29,7 +29,8 @@ def exited_after_finishing(error: ProcessExitedException, marker_dir: Path) -> R
 
 
 def die_by_signal(rank: int, marker_dir: str, finish_first: bool) -> None:
-    """A spawned rank killed by SIGKILL, after (``finish_first``) or before writing its finished marker."""
+    """A rank started by torch.multiprocessing, killed by SIGKILL after (``finish_first``) or before writing its
+    finished marker."""
     import os
     import signal
 
