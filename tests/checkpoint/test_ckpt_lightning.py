@@ -1,4 +1,5 @@
-"""Lightning-level checkpoints: spawn-launched 2-rank ZeRO Trainers saving through ModelCheckpoint.
+"""Lightning-level checkpoints: ZeRO Trainers saving through ModelCheckpoint, their ranks forked by run_ranks and
+taken by Lightning for ranks torchrun started (helpers/launched.py): the fit runs in each forked rank.
 
 Reference results come from the uninterrupted run of the same Trainer configuration; every resumed run starts
 from a ``every_n_train_steps`` checkpoint at an epoch boundary (see tests/checkpoint/ckpt_models.py, [Note:
@@ -10,20 +11,79 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from ckpt_models import LitNet, StartStepRecorder, every_n_steps, fit, top_k
+from ckpt_models import LitNet, StartStepRecorder, every_n_steps, make_loader, top_k
+from helpers.launched import as_launched_rank
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import Tensor
 
+from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.checkpoint.format import MANIFEST_NAME, TRAINER_STATE_NAME
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.testing import run_ranks
 
 MAX_STEPS = 12
 # Timeouts cover the module fixtures' fits too (whichever test runs first builds them) and leave room for a
-# busy 2-core machine; a hung collective still fails on the strategy's 60 s process-group timeout first.
+# busy 2-core machine; a hung collective still fails first, on run_ranks' 30 s process-group timeout (gloo) or
+# the strategy's 60 s one (shared-memory exchange).
+
+
+def _fit_on_this_rank(
+    root: Path,
+    *,
+    devices: int,
+    stage: int = 3,
+    ckpt_path: str | Path | None = None,
+    dropout: float = 0.0,
+    batch_norm: bool = True,
+    scheduler_interval: str = "epoch",
+    callbacks: Sequence[Callback] = (),
+) -> dict[str, Tensor]:
+    """Train a fresh LitNet (same initial weights every time) with a ZeRO Trainer on this rank of ``devices``;
+    return the trained module's state_dict."""
+    pl.seed_everything(0, verbose=False)
+    model = LitNet(dropout=dropout, batch_norm=batch_norm, scheduler_interval=scheduler_interval)
+    trainer = pl.Trainer(
+        strategy=ZeroStrategy(stage=stage, process_group_timeout_s=60.0),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=list(callbacks),
+        default_root_dir=root,
+    )
+    trainer.fit(model, make_loader(devices), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit_each(rank: int, world: int, fits: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
+    """On one rank of ``world`` (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), the
+    fits one after another, each given by the keyword arguments of :func:`_fit_on_this_rank`."""
+    as_launched_rank(rank, world)
+    return [_fit_on_this_rank(devices=world, **options) for options in fits]
+
+
+def fit_in_turn(devices: int, *fits: dict[str, Any]) -> list[dict[str, Tensor]]:
+    """The fits one after another on ``devices`` forked ranks; rank 0's trained state_dict of each."""
+    return run_ranks(fit_each, devices, list(fits), timeout_s=90)[0]
+
+
+def fit(root: Path, *, devices: int = 2, **options: Any) -> dict[str, Tensor]:
+    """One fit on ``devices`` forked ranks (2 by default, stage 3 unless ``stage`` says otherwise)."""
+    (final,) = fit_in_turn(devices, {"root": root, **options})
+    return final
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +114,7 @@ def _assert_identical(got, ref, what: str) -> None:
         assert torch.equal(got[key], value), f"{what}: {key} differs"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: 1 s (a 1- or 4-rank fit; the 2-rank fixture's when first)
 @pytest.mark.parametrize(("devices", "stage"), [(1, 1), (4, 2)], ids=["2to1-zero3to1", "2to4-zero3to2"])
 def test_resume_on_another_world_size(plain_run, tmp_path, devices, stage):
     root, final = plain_run
@@ -63,7 +123,7 @@ def test_resume_on_another_world_size(plain_run, tmp_path, devices, stage):
     assert err <= 1e-6, f"2 ranks → {devices} (stage {stage}): weights off the uninterrupted run by {err:.2e}"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: under 1 s (the 2-rank fixture's fit when first)
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".bin", ".ckpt"])
 def test_consolidated_output_equals_trained_state_dict(dropout_run, tmp_path, suffix):
     root, final = dropout_run
@@ -86,7 +146,7 @@ def test_consolidated_output_equals_trained_state_dict(dropout_run, tmp_path, su
     assert "norm.running_mean" in got and got["norm.num_batches_tracked"].dtype == torch.int64
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: under 1 s (the 2-rank fixture's fit when first)
 def test_files_load_with_safetensors_and_weights_only_torch(dropout_run):
     root, _ = dropout_run
     path = root / "all" / "step=12.ckpt"
@@ -111,7 +171,7 @@ def _best_k_paths(path) -> set[str]:
     return {os.path.basename(p) for p in state["best_k_models"]}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: under 1 s (the 2-rank fixture's fit when first)
 def test_top_k_keeps_k_directories_plus_last(dropout_run):
     root, _ = dropout_run
     topk = root / "topk"
@@ -128,7 +188,7 @@ def test_top_k_keeps_k_directories_plus_last(dropout_run):
     assert (topk / "last.ckpt").stat().st_mtime >= (root / "all" / "step=12.ckpt").stat().st_mtime
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: under 1 s (a 2-rank fit; the fixture's when first)
 def test_resume_from_last_is_bit_identical_with_dropout(dropout_run, tmp_path):
     """``ckpt_path="last"`` picks the newest of ``last*.ckpt`` (here the step-8 checkpoint, beside an older
     step-4 ``last-v1.ckpt``), and the resumed run ends bit-identical to the uninterrupted one: dropout masks
@@ -150,11 +210,13 @@ def test_resume_from_last_is_bit_identical_with_dropout(dropout_run, tmp_path):
     assert not torch.equal(at_save, final["blocks.0.0.weight"]), "the resumed run must have trained"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # measured: 3 s (two 1-rank fits)
 def test_resume_with_step_interval_scheduler(tmp_path):
     all_steps = tmp_path / "full" / "all"
-    final = fit(tmp_path / "full", devices=1, stage=1, scheduler_interval="step", callbacks=[every_n_steps(all_steps)])
-    resumed = fit(
-        tmp_path / "resumed", devices=1, stage=1, scheduler_interval="step", ckpt_path=all_steps / "step=8.ckpt"
+    options = {"stage": 1, "scheduler_interval": "step"}
+    final, resumed = fit_in_turn(  # one rank, both fits in one launch
+        1,
+        {"root": tmp_path / "full", "callbacks": [every_n_steps(all_steps)], **options},
+        {"root": tmp_path / "resumed", "ckpt_path": all_steps / "step=8.ckpt", **options},
     )
     _assert_identical(resumed, final, "step-interval scheduler, resumed at step 8 vs uninterrupted")
