@@ -1,7 +1,4 @@
-"""A small LightningModule and a spawn-launched ``Trainer.fit`` helper for the Lightning-level checkpoint tests.
-
-The module is importable by name (this folder is on ``sys.path`` under pytest and in the processes Lightning's
-spawn launcher starts), so the launcher can pickle it.
+"""A small LightningModule, its data and the callbacks of the Lightning-level checkpoint tests.
 
 [Note: comparable layouts]
 Every layout sees the same *global* batch per optimizer step: 64 samples, global batch 16, split evenly over
@@ -14,7 +11,6 @@ its batch statistics are per rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +19,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from zero_strategy import ZeroStrategy
 
 SAMPLES = 64
 GLOBAL_BATCH = 16
@@ -78,8 +72,8 @@ def make_loader(devices: int) -> DataLoader:
 
 
 class StartStepRecorder(Callback):
-    """Rank 0 writes the global step the fit starts at into a file (the spawn launcher does not bring a
-    callback's attributes back to the main process)."""
+    """Rank 0 writes the global step the fit starts at into a file (the callback object stays in the rank's
+    process): a resumed fit must start at its checkpoint's step, or it did not resume at all."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -108,35 +102,3 @@ def top_k(dirpath: Path, k: int = 2, n: int = 2) -> ModelCheckpoint:
         save_last=True,
     )
 
-
-def fit(
-    root: Path,
-    *,
-    stage: int = 3,
-    devices: int = 2,
-    max_steps: int = 12,
-    ckpt_path: str | Path | None = None,
-    dropout: float = 0.0,
-    batch_norm: bool = True,
-    scheduler_interval: str = "epoch",
-    callbacks: Sequence[Callback] = (),
-) -> dict[str, Tensor]:
-    """Train a fresh LitNet (same initial weights every time) with a spawn-launched ZeRO Trainer; return the
-    trained module's state_dict as the main process receives it."""
-    pl.seed_everything(0, verbose=False)
-    model = LitNet(dropout=dropout, batch_norm=batch_norm, scheduler_interval=scheduler_interval)
-    strategy = ZeroStrategy(stage=stage, start_method="spawn", process_group_timeout_s=60.0)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=list(callbacks),
-        default_root_dir=root,
-    )
-    trainer.fit(model, make_loader(devices), ckpt_path=None if ckpt_path is None else str(ckpt_path))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -118,7 +118,10 @@ def _assert_identical(got, ref, what: str) -> None:
 @pytest.mark.parametrize(("devices", "stage"), [(1, 1), (4, 2)], ids=["2to1-zero3to1", "2to4-zero3to2"])
 def test_resume_on_another_world_size(plain_run, tmp_path, devices, stage):
     root, final = plain_run
-    resumed = fit(tmp_path, devices=devices, stage=stage, batch_norm=False, ckpt_path=root / "all" / "step=8.ckpt")
+    record = tmp_path / "start_step.txt"
+    resumed = fit(tmp_path, devices=devices, stage=stage, batch_norm=False, ckpt_path=root / "all" / "step=8.ckpt",
+                  callbacks=[StartStepRecorder(record)])
+    assert record.read_text() == "8", "the fit must resume from the checkpoint, not train from the start"
     err = _max_abs_diff(resumed, final)
     assert err <= 1e-6, f"2 ranks → {devices} (stage {stage}): weights off the uninterrupted run by {err:.2e}"
 
@@ -217,6 +220,8 @@ def test_resume_with_step_interval_scheduler(tmp_path):
     final, resumed = fit_in_turn(  # one rank, both fits in one launch
         1,
         {"root": tmp_path / "full", "callbacks": [every_n_steps(all_steps)], **options},
-        {"root": tmp_path / "resumed", "ckpt_path": all_steps / "step=8.ckpt", **options},
+        {"root": tmp_path / "resumed", "ckpt_path": all_steps / "step=8.ckpt",
+         "callbacks": [StartStepRecorder(tmp_path / "start_step.txt")], **options},
     )
+    assert (tmp_path / "start_step.txt").read_text() == "8", "the second fit must resume, not train from the start"
     _assert_identical(resumed, final, "step-interval scheduler, resumed at step 8 vs uninterrupted")

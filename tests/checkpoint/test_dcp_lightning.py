@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from ckpt_models import LitNet, every_n_steps, make_loader
+from ckpt_models import LitNet, StartStepRecorder, every_n_steps, make_loader
 from helpers.launched import as_launched_rank
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -69,7 +69,8 @@ def fit_then_resume(rank: int, world: int, root: str) -> tuple[dict[str, torch.T
     as_launched_rank(rank, world)
     tmp_path = Path(root)
     final = _fit(tmp_path / "run", [every_n_steps(tmp_path / "all", SAVE_AT), AlsoSaveOurFormat(tmp_path / "ours")])
-    resumed = _fit(tmp_path / "resumed", [], ckpt_path=tmp_path / "all" / f"step={SAVE_AT}.ckpt")
+    resumed = _fit(tmp_path / "resumed", [StartStepRecorder(tmp_path / "start_step.txt")],
+                   ckpt_path=tmp_path / "all" / f"step={SAVE_AT}.ckpt")
     return final, resumed
 
 
@@ -97,6 +98,7 @@ def test_modelcheckpoint_writes_dcp_that_equals_the_export_and_resumes_exactly(t
     state = torch.load(io.BytesIO(got["zero_strategy"]["trainer_state"]), weights_only=True)
     assert state["global_step"] == SAVE_AT and "loops" in state and "lr_schedulers" in state
 
+    assert (tmp_path / "start_step.txt").read_text() == str(SAVE_AT), "the second fit must resume from the DCP save"
     assert list(resumed) == list(final)
     for key, value in final.items():
         assert torch.equal(resumed[key], value), f"{key}: resumed from DCP differs from the uninterrupted run"
