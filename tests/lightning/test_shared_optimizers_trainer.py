@@ -1,23 +1,24 @@
 """Through Lightning: a GAN under manual optimization whose generator's optimizer also covers a layer the
-discriminator's holds, logging gradient norms in ``on_before_optimizer_step`` — against ``ddp_spawn``.
+discriminator's holds, logging gradient norms in ``on_before_optimizer_step`` — against DDP.
 
 ZeRO (zero1, and zero3 on one host's shared memory) ends with DDP's weights; ``zero_strategy.grad_norm(self, 2)``
 gives the keys and values Lightning's ``grad_norm`` gives under DDP at every step of both optimizers; and reading
 the shared layer's ``p.grad`` there (a tensor under DDP, None under ZeRO) raises a ``ShardedGradientWarning``.
 The engine-level tests (tests/distributed/test_shared_optimizers.py, test_grad_norm.py) cover the stages,
-patterns and transports; this is the same through the Trainer's hooks, in 3 fits.
+patterns and transports; this is the same through the Trainer's hooks, in 3 fits (DDP, stage 1, stage 3), each on
+2 ranks of a ``run_ranks`` launch of its own that Lightning takes for ranks torchrun started. One launch per fit:
+the warning is given once per place in the code and process, so a second fit in the same rank would not repeat it.
 """
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from helpers.lit import NoiseAndReal, state_of, trainer_kwargs
 from helpers.models import assert_state_close
 from helpers.shared_optimizers import SharedGAN, gan_optimizers
@@ -29,13 +30,13 @@ from torch.utils.data import DataLoader
 import zero_strategy
 from zero_strategy import ZeroStrategy
 from zero_strategy.gradients import ShardedGradientWarning
+from zero_strategy.testing import run_ranks
 
 
 class SharedLayerGAN(pl.LightningModule):
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.out_dir = out_dir
         self.net = SharedGAN()
         self.norms: list[dict[str, float]] = []
         self.shared_grad_is_none: list[bool] = []
@@ -63,42 +64,49 @@ class SharedLayerGAN(pl.LightningModule):
             self.shared_grad_is_none.append(self.net.shared.weight.grad is None)
         self.warned = self.warned or any(issubclass(w.category, ShardedGradientWarning) for w in caught)
 
-    def on_train_end(self) -> None:
-        record = {"norms": self.norms, "none": self.shared_grad_is_none, "warned": self.warned}
-        Path(self.out_dir, f"records_rank{self.global_rank}.json").write_text(json.dumps(record))
-
     def configure_optimizers(self) -> Any:
         return gan_optimizers(self.net)
 
 
-def _fit(strategy: Any, out_dir: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+Fit = tuple[dict[str, torch.Tensor], dict[str, Any]]  # the final weights, what the hooks recorded
+
+
+STRATEGIES = {
+    "ddp": lambda: DDPStrategy(find_unused_parameters=True),
+    "zero1": lambda: ZeroStrategy(stage=1),
+    "zero3": lambda: ZeroStrategy(stage=3),
+}
+
+
+def fit_one(rank: int, world: int, strategy: str) -> Fit:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), the GAN fitted
+    under ``strategy`` (a key of STRATEGIES) from the same seed on the same data as every other strategy."""
+    as_launched_rank(rank, world)
     pl.seed_everything(0, verbose=False)
-    model = SharedLayerGAN(str(out_dir))
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=1,
-                                                            gradient_clip_val=None))
+    model = SharedLayerGAN()
+    kwargs = trainer_kwargs(devices=world, max_epochs=1, accumulate_grad_batches=1, gradient_clip_val=None)
+    trainer = pl.Trainer(strategy=STRATEGIES[strategy](), **kwargs)
     trainer.fit(model, DataLoader(NoiseAndReal(), batch_size=4))
-    records = [json.loads((out_dir / f"records_rank{rank}.json").read_text()) for rank in range(2)]
-    return state_of(model), records
+    return state_of(model), {"norms": model.norms, "none": model.shared_grad_is_none, "warned": model.warned}
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    state, records = _fit(DDPStrategy(start_method="spawn", find_unused_parameters=True),
-                          tmp_path_factory.mktemp("ddp"))
-    for record in records:  # 4 iterations, 2 optimizer steps each; under DDP p.grad is there and nothing is said
+def ddp_run() -> list[Fit]:
+    """DDP's fit on each rank, once its records are shown to be what the comparison needs."""
+    runs = run_ranks(fit_one, 2, "ddp", timeout_s=50)
+    for _, record in runs:  # 4 iterations, 2 optimizer steps each; under DDP p.grad is there and nothing is said
         assert len(record["norms"]) == 8 and not any(record["none"]) and not record["warned"]
         assert all("grad_2.0_norm/net.disc.0.weight" in norms for norms in record["norms"][::2])  # G's loss reached D
         assert not any("grad_2.0_norm/net.gen.0.weight" in norms for norms in record["norms"][1::2])  # cleared
-    return state, records
+    return runs
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)  # one fit on 2 ranks (two with DDP's): 0.5 s measured
 @pytest.mark.parametrize("stage", [1, 3])
-def test_shared_layer_gan_matches_ddp_with_its_gradient_norms(ddp_run: tuple, stage: int, tmp_path: Path) -> None:
-    ddp_state, ddp_records = ddp_run
-    state, records = _fit(ZeroStrategy(stage=stage, start_method="spawn", process_group_timeout_s=60), tmp_path)
-    assert_state_close(state, ddp_state, rel=1e-5, what=f"shared-layer GAN, stage {stage} vs ddp_spawn")
-    for rank, (got, want) in enumerate(zip(records, ddp_records, strict=True)):
+def test_shared_layer_gan_matches_ddp_with_its_gradient_norms(ddp_run: list[Fit], stage: int) -> None:
+    runs = run_ranks(fit_one, 2, f"zero{stage}", timeout_s=50)
+    for rank, ((state, got), (ddp_state, want)) in enumerate(zip(runs, ddp_run, strict=True)):
+        assert_state_close(state, ddp_state, rel=1e-5, what=f"shared-layer GAN, rank {rank}, stage {stage} vs ddp")
         assert len(got["norms"]) == len(want["norms"])
         for step, (ours, theirs) in enumerate(zip(got["norms"], want["norms"], strict=True)):
             assert list(ours) == list(theirs), f"rank {rank}, step {step}: {sorted(set(ours) ^ set(theirs))}"

@@ -1,22 +1,34 @@
-"""Real ``Trainer`` fits on 2 CPU ranks (spawn launcher) against ``ddp_spawn`` with the same seeds and data.
+"""Real ``Trainer`` fits on 2 CPU ranks against DDP with the same seeds and data.
 
-One fit per strategy is shared (module-scoped) by the tests that inspect it: the model has a tied embedding/
-output weight and a frozen middle block, uses ``accumulate_grad_batches=3`` with a partial last window (7 batches
-per rank and epoch), gradient clipping by norm, ``self.log(..., sync_dist=True)``, a torchmetrics metric and a
-validation loop.
+One fit per strategy through Lightning's spawn launcher (``zero1_spawn``, ``zero2_spawn``, ``zero3_spawn`` against
+``ddp_spawn``) is shared (module-scoped) by the tests that inspect it: the model has a tied embedding/output weight
+and a frozen middle block, uses ``accumulate_grad_batches=3`` with a partial last window (7 batches per rank and
+epoch), gradient clipping by norm, ``self.log(..., sync_dist=True)``, a torchmetrics metric and a validation loop.
+These are the suite's main coverage of the spawn launcher: the main process's module after the fit, and files each
+spawned rank writes.
+
+The tests whose point is not the launcher (``fit`` then ``test`` and ``predict`` at stage 3, a GAN under manual
+optimization, LBFGS refused) run their fits in ``run_ranks`` ranks that Lightning takes for ranks torchrun
+started, and read what each rank returns.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import lit
+from helpers.launched import as_launched_rank
 from helpers.lit import FROZEN, LitTiedLM, fit_lm, read_rank_files, state_of
 from helpers.models import assert_state_close, lm_loss
 from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
 
 from zero_strategy import ZeroStrategy
+from zero_strategy.testing import run_ranks
 
 SPAWN_NAMES = ["zero1_spawn", "zero2_spawn", "zero3_spawn"]
 
@@ -138,50 +150,85 @@ def test_memory_and_communication_reports(runs, name):
             assert r["reports"]["param_storage_bytes"] == 0
 
 
-@pytest.mark.timeout(200)
-def test_zero3_fit_then_test_and_predict(runs):
+def fit_then_test_and_predict(rank: int, world: int) -> dict[str, Any]:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK): a DDP fit, then a
+    zero3 fit followed by ``test`` and ``predict`` on the same Trainer."""
+    as_launched_rank(rank, world)
+    ddp_model, _ = fit_lm("ddp", None, devices=world)
+    model, trainer = fit_lm("zero3", None, devices=world)
+    results = trainer.test(model, lit.test_loader(), verbose=False)
+    trainer.predict(model, lit.test_loader())
+    return {"ddp": state_of(ddp_model), "test": results, "predictions": model.predictions, "after": state_of(model)}
+
+
+@pytest.mark.timeout(120)  # two fits, a test and a predict on 2 ranks: 0.9 s measured
+def test_zero3_fit_then_test_and_predict() -> None:
     """``fit`` then ``test`` and ``predict`` on the same Trainer at stage 3: results equal a plain module with the
     fitted weights."""
-    model, trainer, out_dir = runs("zero3_spawn")
-    ddp_model, _, _ = runs("ddp_spawn")
+    runs = run_ranks(fit_then_test_and_predict, 2, timeout_s=100)
     reference = LitTiedLM()
-    reference.load_state_dict(state_of(ddp_model))
+    reference.load_state_dict(runs[0]["ddp"])
     tokens = lit.test_loader().dataset.tokens
     with torch.no_grad():
         expected_loss = lm_loss(reference.net, tokens).item()
         expected_logits = reference.net(tokens)
 
-    results = trainer.test(model, lit.test_loader(), verbose=False)
-    assert results[0]["test_loss"] == pytest.approx(expected_loss, rel=1e-5)
-    assert results[0]["test_idx_mean"] == pytest.approx((lit.N_TEST - 1) / 2, abs=1e-6)
+    for rank, run in enumerate(runs):
+        results = run["test"]
+        assert results[0]["test_loss"] == pytest.approx(expected_loss, rel=1e-5), f"rank {rank}"
+        assert results[0]["test_idx_mean"] == pytest.approx((lit.N_TEST - 1) / 2, abs=1e-6), f"rank {rank}"
 
-    trainer.predict(model, lit.test_loader())
     seen = []
-    for rank, predictions in enumerate(read_rank_files(out_dir, "predict")):
+    for rank, run in enumerate(runs):
+        predictions = run["predictions"]
         assert predictions, f"rank {rank} predicted nothing"
         for idx, logits in predictions:
             torch.testing.assert_close(logits, expected_logits[idx], rtol=1e-5, atol=1e-5)
             seen.extend(idx.tolist())
     assert sorted(seen) == list(range(lit.N_TEST))  # each rank predicted its own half
 
-    # testing and predicting did not change the weights
-    assert_state_close(state_of(model), state_of(ddp_model), rel=1e-5, what="after test/predict")
+    for rank, run in enumerate(runs):  # testing and predicting did not change the weights
+        assert_state_close(run["after"], run["ddp"], rel=1e-5, what=f"rank {rank}, after test/predict")
+
+
+GAN_STRATEGIES = {
+    "ddp": lambda: DDPStrategy(find_unused_parameters=True),
+    "zero1": lambda: "zero1",
+    "zero2": lambda: "zero2",
+}
+
+
+def fit_gans(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
+    """On one rank (launched by run_ranks as torchrun would launch it): the GAN's final weights under DDP and under
+    each ZeRO stage, fitted one after another from the same seed."""
+    as_launched_rank(rank, world)
+    return {name: lit.fit_gan(make()) for name, make in GAN_STRATEGIES.items()}
 
 
 @pytest.fixture(scope="module")
-def ddp_gan():
-    return lit.fit_gan(DDPStrategy(start_method="spawn", find_unused_parameters=True))
+def gan_runs() -> list[dict[str, dict[str, Tensor]]]:
+    return run_ranks(fit_gans, 2, timeout_s=100)
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", ["zero1_spawn", "zero2_spawn"])
-def test_manual_optimization_gan_matches_ddp(ddp_gan, name):
-    """A GAN-like module (manual optimization, two optimizers, toggle_optimizer) matches ddp_spawn."""
-    got = lit.fit_gan(name)
-    assert_state_close(got, ddp_gan, rel=1e-5, what=f"GAN {name} vs ddp_spawn")
+@pytest.mark.timeout(120)  # the first one runs the 3 fits on 2 ranks: 0.4 s measured
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_manual_optimization_gan_matches_ddp(gan_runs: list[dict[str, dict[str, Tensor]]], name: str) -> None:
+    """A GAN-like module (manual optimization, two optimizers, toggle_optimizer) matches DDP."""
+    for rank, run in enumerate(gan_runs):
+        assert_state_close(run[name], run["ddp"], rel=1e-5, what=f"GAN, rank {rank}, {name} vs ddp")
 
 
-@pytest.mark.timeout(60)
-def test_lbfgs_refused_with_clear_error():
-    with pytest.raises(Exception, match=r"cannot shard optimizer torch\.optim\.lbfgs\.LBFGS"):
-        fit_lm(ZeroStrategy(stage=2, start_method="spawn"), None, lit.LitTiedLMWithLBFGS, devices=1, max_epochs=1)
+def fit_with_lbfgs(rank: int, world: int) -> str:
+    """On one rank (launched by run_ranks as torchrun would launch it): the error a zero2 fit with LBFGS raises."""
+    as_launched_rank(rank, world)
+    try:
+        fit_lm(ZeroStrategy(stage=2), None, lit.LitTiedLMWithLBFGS, devices=world, max_epochs=1)
+    except Exception as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(60)  # one rank, refused at setup: 0.1 s measured
+def test_lbfgs_refused_with_clear_error() -> None:
+    [message] = run_ranks(fit_with_lbfgs, 1, timeout_s=50)
+    assert re.search(r"cannot shard optimizer torch\.optim\.lbfgs\.LBFGS", message), message

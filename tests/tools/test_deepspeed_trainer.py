@@ -1,23 +1,28 @@
-"""ZeroStrategy.from_deepspeed_config through a real 2-rank Trainer: settings arrive, batch mismatches stop early."""
+"""ZeroStrategy.from_deepspeed_config through a real 2-rank Trainer: settings arrive, batch mismatches stop early.
+
+Both fits run in one ``run_ranks`` launch, on 2 ranks that Lightning takes for ranks torchrun started."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroStrategy
+from zero_strategy.testing import run_ranks
 
 
 class Reporter(pl.LightningModule):
-    def __init__(self, out: str) -> None:
+    """Records, at the end of training, the settings the strategy, precision plugin and Trainer ended with."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.out = out
+        self.settings: dict[str, Any] = {}
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -30,24 +35,22 @@ class Reporter(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def on_train_end(self) -> None:
-        if self.global_rank == 0:
-            strategy = self.trainer.strategy
-            Path(self.out).write_text(json.dumps({
-                "stage": strategy.config.stage,
-                "precision": self.trainer.precision_plugin.precision,
-                "clip": self.trainer.gradient_clip_val,
-                "window": self.trainer.precision_plugin.scaler.config.loss_scale_window,
-            }))
+        self.settings = {
+            "stage": self.trainer.strategy.config.stage,
+            "precision": self.trainer.precision_plugin.precision,
+            "clip": self.trainer.gradient_clip_val,
+            "window": self.trainer.precision_plugin.scaler.config.loss_scale_window,
+        }
 
 
-def fit(tmp_path: Path, ds: dict, batch_size: int = 4) -> dict:
-    out = tmp_path / "out.json"
-    strategy = ZeroStrategy.from_deepspeed_config(ds, start_method="spawn")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False,
+def fit(ds: dict, world: int, batch_size: int = 4) -> dict[str, Any]:
+    strategy = ZeroStrategy.from_deepspeed_config(ds)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=batch_size)
-    trainer.fit(Reporter(str(out)), data)
-    return json.loads(out.read_text())
+    module = Reporter()
+    trainer.fit(module, data)
+    return module.settings
 
 
 DS = {
@@ -59,15 +62,33 @@ DS = {
 }
 
 
-@pytest.mark.timeout(120)
-def test_deepspeed_config_reaches_strategy_precision_and_trainer(tmp_path: Path) -> None:
-    got = fit(tmp_path, DS)
-    assert got == {"stage": 2, "precision": "16-mixed", "clip": 0.5, "window": 77}
+def fit_both(rank: int, world: int) -> dict[str, Any]:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK): the settings
+    after a fit with DS, then the error a fit with a dataloader batch that contradicts DS's raises."""
+    as_launched_rank(rank, world)
+    out: dict[str, Any] = {"settings": fit(DS, world)}
+    try:
+        fit(DS, world, batch_size=3)
+        out["mismatch"] = "no error"
+    except Exception as error:
+        out["mismatch"] = str(error)
+    return out
 
 
-@pytest.mark.timeout(120)
-def test_batch_mismatch_with_the_dataloader_fails_with_all_numbers(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="train_batch_size") as info:
-        fit(tmp_path, DS, batch_size=3)
-    message = str(info.value)
-    assert "8" in message and "3" in message
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return run_ranks(fit_both, 2, timeout_s=100)
+
+
+@pytest.mark.timeout(120)  # both fits on 2 ranks, once for the two tests: 0.3 s measured
+def test_deepspeed_config_reaches_strategy_precision_and_trainer(runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(runs):
+        assert run["settings"] == {"stage": 2, "precision": "16-mixed", "clip": 0.5, "window": 77}, f"rank {rank}"
+
+
+@pytest.mark.timeout(120)  # both fits on 2 ranks, once for the two tests: 0.3 s measured
+def test_batch_mismatch_with_the_dataloader_fails_with_all_numbers(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        message = run["mismatch"]
+        assert "train_batch_size" in message, message
+        assert "8" in message and "3" in message
