@@ -1,4 +1,4 @@
-"""``broadcast_buffers=True`` against DDP's option of the same name, in real 2-rank Trainer fits (spawn launcher).
+"""``broadcast_buffers=True`` against DDP's option of the same name, in real 2-rank Trainer fits.
 
 What ZeRO does: every training forward starts from rank 0's buffers (BatchNorm running statistics); evaluation
 forwards never broadcast. What DDP does: it broadcasts before a forward only if the previous forward synchronised
@@ -7,37 +7,40 @@ statistics, and the first validation forward after training does. Each rank sees
 inputs are shifted), so a rank's statistics differ visibly from rank 0's whenever they were not broadcast.
 
 Each rank records its statistics at the start of every training and validation forward (after any broadcast: the
-strategy's hook runs before the step's forward) and at the end of fit.
+strategy's hook runs before the step's forward) and at the end of fit. The four fits (ZeRO stage 3 and DDP, with and
+without accumulation) run one after another in one launch of two ranks that run_ranks forks and Lightning takes for
+ranks torchrun started (the launcher is not what is tested here); each rank returns its records.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroStrategy
+from zero_strategy.testing import run_ranks
 
 BATCH, TRAIN_BATCHES_PER_RANK, VAL_BATCHES_PER_RANK = 4, 6, 2
 STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class NormNet(pl.LightningModule):
-    """Linear → BatchNorm1d → tanh → Linear, SGD; records its BatchNorm statistics per rank into ``out_dir``."""
+    """Linear → BatchNorm1d → tanh → Linear, SGD; records its BatchNorm statistics on this rank."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 8)
         self.norm = nn.BatchNorm1d(8)
         self.head = nn.Linear(8, 1)
-        self.out_dir = out_dir
         self.at_train_forward: list[dict[str, Tensor]] = []
         self.at_val_forward: list[dict[str, Tensor]] = []
+        self.at_fit_end: dict[str, Tensor] = {}
 
     def _stats(self) -> dict[str, Tensor]:
         return {name: getattr(self.norm, name).detach().clone() for name in STATS}
@@ -55,8 +58,7 @@ class NormNet(pl.LightningModule):
         self._loss(batch)
 
     def on_fit_end(self) -> None:
-        record = {"train": self.at_train_forward, "val": self.at_val_forward, "final": self._stats()}
-        torch.save(record, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+        self.at_fit_end = self._stats()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -70,29 +72,39 @@ def _loader(batches_per_rank: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.randn(n, 1, generator=g)), batch_size=BATCH)
 
 
-def _fit(strategy: Any, accumulate: int, out_dir: Path) -> list[dict[str, Any]]:
-    out_dir.mkdir()
+STRATEGIES = {
+    "zero3": lambda: ZeroStrategy(stage=3, process_group_timeout_s=60.0),
+    "ddp": lambda: "ddp",
+}
+
+
+def _fit(strategy: Any, accumulate: int) -> dict[str, Any]:
+    """One fit on this rank (2 ranks); the statistics it recorded."""
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, accumulate_grad_batches=accumulate,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(NormNet(str(out_dir)), _loader(TRAIN_BATCHES_PER_RANK, 1), _loader(VAL_BATCHES_PER_RANK, 2))
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    module = NormNet()
+    trainer.fit(module, _loader(TRAIN_BATCHES_PER_RANK, 1), _loader(VAL_BATCHES_PER_RANK, 2))
+    return {"train": module.at_train_forward, "val": module.at_val_forward, "final": module.at_fit_end}
+
+
+def fit_each(rank: int, world: int) -> dict[tuple[str, int], dict[str, Any]]:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), ZeRO stage 3 and
+    DDP, each without and with accumulation."""
+    as_launched_rank(rank, world)
+    return {(name, accumulate): _fit(make(), accumulate) for name, make in STRATEGIES.items() for accumulate in (1, 2)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[tuple[str, int], list[dict[str, Any]]] = {}
+def runs() -> Any:
+    per_rank = run_ranks(fit_each, 2, timeout_s=100, pg_timeout_s=60.0)
 
     def get(name: str, accumulate: int) -> list[dict[str, Any]]:
-        if (name, accumulate) not in cache:
-            out_dir = tmp_path_factory.mktemp(f"{name}-acc{accumulate}")
-            strategy = ZeroStrategy(stage=3, start_method="spawn", process_group_timeout_s=60.0) if name == "zero3" \
-                else "ddp_spawn"  # fmt: skip
-            cache[(name, accumulate)] = _fit(strategy, accumulate, out_dir / "ranks")
-        return cache[(name, accumulate)]
+        """Each rank's records of the fit of ``name`` with ``accumulate``, in rank order."""
+        return [records[(name, accumulate)] for records in per_rank]
 
     return get
 
@@ -110,7 +122,9 @@ def _apart(got: dict[str, Tensor], ref: dict[str, Tensor]) -> bool:
     return bool((got["running_mean"] - ref["running_mean"]).abs().max() > 0.05)
 
 
-@pytest.mark.timeout(300)
+# Each timeout covers the launch of all four fits if its test is the first to use `runs`: 1.5 s measured with
+# both cores busy (the floor of 60 s rules)
+@pytest.mark.timeout(120)
 def test_with_accumulation_every_training_forward_starts_from_rank_0_unlike_ddp(runs: Any) -> None:
     zero, ddp = runs("zero3", 2), runs("ddp", 2)
     assert len(zero[0]["train"]) == len(ddp[0]["train"]) == 2 * TRAIN_BATCHES_PER_RANK
@@ -128,7 +142,7 @@ def test_with_accumulation_every_training_forward_starts_from_rank_0_unlike_ddp(
             assert _apart(ddp[1]["train"][i], ddp[0]["train"][i]), f"DDP, second micro-batch {i}: rank 0's"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 def test_without_accumulation_training_matches_ddp_on_every_rank(runs: Any) -> None:
     zero, ddp = runs("zero3", 1), runs("ddp", 1)
     for rank in range(2):
@@ -138,7 +152,7 @@ def test_without_accumulation_training_matches_ddp_on_every_rank(runs: Any) -> N
     assert _close(zero[0]["final"], ddp[0]["final"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_evaluation_forwards_are_not_broadcast_unlike_ddp(runs: Any, accumulate: int) -> None:
     """In validation each ZeRO rank uses the statistics it holds (rank 1's own last update); DDP's first validation

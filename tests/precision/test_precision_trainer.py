@@ -1,34 +1,39 @@
 """ZeroPrecision through a real 2-rank Trainer: the flag reaches it, fp16 really is fp16 on a CPU, skipped steps
-hold the LR schedule back, and low-precision runs follow the fp32 loss curve."""
+hold the LR schedule back, and low-precision runs follow the fp32 loss curve. Every fit runs in one launch of two
+ranks that run_ranks forks and Lightning takes for ranks torchrun started (the launcher is not what is tested
+here); each test reads rank 0's record of the fits it needs."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import zero_strategy  # noqa: F401  (registers the strategies)
 from zero_strategy import ZeroPrecision
+from zero_strategy.testing import run_ranks
 
 
 class TinyLM(pl.LightningModule):
-    """Embedding + pre-LN residual blocks; builds an fp32 tensor at run time (positional term)."""
+    """Embedding + pre-LN residual blocks; builds an fp32 tensor at run time (positional term). At the end of
+    training, ``record`` holds what the tests read: the precision plugin, the logits' dtypes, the losses (mean over
+    ranks), the final learning rate and the skipped steps."""
 
-    def __init__(self, out: str = "", poison_steps: tuple[int, ...] = ()) -> None:
+    def __init__(self, poison_steps: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.out_path = out
         self.poison_steps = set(poison_steps)
         self.emb = nn.Embedding(16, 16)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU()) for _ in range(2))
         self.head = nn.Linear(16, 16)
         self.losses: list[float] = []
         self.seen_dtypes: set[str] = set()
+        self.record: dict[str, Any] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) + torch.arange(x.shape[1], device=x.device).float()[None, :, None] * 0.01
@@ -52,26 +57,21 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_train_end(self) -> None:
-        if self.global_rank == 0 and self.out_path:
-            plugin = self.trainer.precision_plugin
-            Path(self.out_path).write_text(
-                json.dumps(
-                    {
-                        "plugin": type(plugin).__name__,
-                        "precision": plugin.precision,
-                        "dtypes": sorted(self.seen_dtypes),
-                        "losses": self.losses,
-                        "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
-                        "skipped": getattr(plugin, "skipped_steps", None),
-                        "global_step": self.trainer.global_step,
-                    }
-                )
-            )
+        plugin = self.trainer.precision_plugin
+        self.record = {
+            "plugin": type(plugin).__name__,
+            "precision": plugin.precision,
+            "dtypes": sorted(self.seen_dtypes),
+            "losses": self.losses,
+            "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            "skipped": getattr(plugin, "skipped_steps", None),
+            "global_step": self.trainer.global_step,
+        }
 
 
-def fit(tmp_path: Path, strategy: str, precision: object, steps: int = 12, poison: tuple[int, ...] = ()) -> dict:
+def fit(strategy: str, precision: str | ZeroPrecision, steps: int = 12, poison: tuple[int, ...] = ()) -> dict:
+    """One fit on this rank (2 ranks); what the module recorded at the end of training."""
     pl.seed_everything(0)
-    out = tmp_path / f"{strategy}-{precision}-{len(poison)}.json"
     data = torch.randint(0, 16, (256, 9), generator=torch.Generator().manual_seed(0))
     trainer_kwargs: dict = {"precision": precision} if isinstance(precision, str) else {"plugins": [precision]}
     trainer = pl.Trainer(
@@ -85,39 +85,63 @@ def fit(tmp_path: Path, strategy: str, precision: object, steps: int = 12, poiso
         enable_model_summary=False,
         **trainer_kwargs,
     )
-    trainer.fit(TinyLM(str(out), poison), DataLoader(TensorDataset(data), batch_size=8))
-    return json.loads(out.read_text())
+    module = TinyLM(poison)
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=8))
+    return module.record
 
 
+def fit_each(rank: int, world: int) -> dict[str, dict]:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), every fit the
+    tests below read, one after another."""
+    as_launched_rank(rank, world)
+    return {
+        "zero2 16-mixed, 2 steps": fit("zero2", "16-mixed", steps=2),
+        "zero3 bf16-mixed, 2 steps": fit("zero3", "bf16-mixed", steps=2),
+        "zero3 16-mixed, overflows at steps 2, 5, 6": fit(
+            "zero3", ZeroPrecision("16-mixed", hysteresis=1), steps=10, poison=(2, 5, 6)
+        ),
+        "zero3 32-true": fit("zero3", "32-true"),
+        "zero3 bf16-mixed": fit("zero3", "bf16-mixed"),
+        "zero3 16-mixed": fit("zero3", "16-mixed"),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    """Rank 0's record of every fit."""
+    return run_ranks(fit_each, 2, timeout_s=100)[0]
+
+
+# Each timeout covers the launch of all six fits if its test is the first to use `runs`: 2 s measured with both
+# cores busy (the floor of 60 s rules)
 @pytest.mark.timeout(120)
-def test_precision_flag_reaches_zero_precision_and_fp16_stays_fp16_on_cpu(tmp_path: Path) -> None:
-    fp16 = fit(tmp_path, "zero2_spawn", "16-mixed", steps=2)
+def test_precision_flag_reaches_zero_precision_and_fp16_stays_fp16_on_cpu(runs: dict[str, dict]) -> None:
+    fp16 = runs["zero2 16-mixed, 2 steps"]
     assert fp16["plugin"] == "ZeroPrecision" and fp16["precision"] == "16-mixed"
     assert fp16["dtypes"] == ["torch.float16"]  # Lightning alone would have switched to bf16 on a CPU
-    bf16 = fit(tmp_path, "zero3_spawn", "bf16-mixed", steps=2)
+    bf16 = runs["zero3 bf16-mixed, 2 steps"]
     assert bf16["plugin"] == "ZeroPrecision" and bf16["dtypes"] == ["torch.bfloat16"]
 
 
 @pytest.mark.timeout(120)
-def test_skipped_steps_do_not_advance_the_lr_schedule(tmp_path: Path) -> None:
-    plugin = ZeroPrecision("16-mixed", hysteresis=1)
-    result = fit(tmp_path, "zero3_spawn", plugin, steps=10, poison=(2, 5, 6))
+def test_skipped_steps_do_not_advance_the_lr_schedule(runs: dict[str, dict]) -> None:
+    result = runs["zero3 16-mixed, overflows at steps 2, 5, 6"]
     assert result["skipped"] == 3
     # LambdaLR: lr = 0.5 / (1 + scheduler steps); the scheduler stepped only for the 7 applied steps
     assert result["lr"] == pytest.approx(0.5 / (1 + 10 - 3))
 
 
-@pytest.mark.timeout(240)
-def test_low_precision_follows_the_fp32_loss_curve(tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_low_precision_follows_the_fp32_loss_curve(runs: dict[str, dict]) -> None:
     """Tolerance: bf16 keeps 8 mantissa bits (relative rounding 2^-8 ≈ 0.4 %) and fp16 11 bits; over 12 SGD steps
     of a tiny model the loss curves stay within 2 % (bf16) and 0.5 % (fp16) of fp32 — a broken master-weight or
     gradient path (bf16 accumulation, lost updates) moves them by far more."""
-    reference = fit(tmp_path, "zero3_spawn", "32-true")["losses"]
+    reference = runs["zero3 32-true"]["losses"]
     assert reference[-1] < reference[0] - 0.02  # it does learn
     # Every stage is covered at core level (test_precision_parity.py); here the Trainer path end to end.
-    for strategy in ("zero3_spawn",):
+    for strategy in ("zero3",):
         for precision, tolerance in (("bf16-mixed", 0.02), ("16-mixed", 0.005)):
-            losses = fit(tmp_path, strategy, precision)["losses"]
+            losses = runs[f"{strategy} {precision}"]["losses"]
             worst = max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
             assert worst < tolerance, (strategy, precision, worst)
             assert math.isfinite(losses[-1])

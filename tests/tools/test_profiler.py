@@ -1,9 +1,10 @@
-"""ZeroStrategy(profile=True): per-step compute vs. communication, bytes per kind, logged and summarised."""
+"""ZeroStrategy(profile=True): per-step compute vs. communication, bytes per kind, logged and summarised. The 2-rank
+fits run on ranks that run_ranks forks and Lightning takes for ranks torchrun started (the launcher is not what is
+tested here), one launch per fit."""
 
 from __future__ import annotations
 
 import csv
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.launched import as_launched_rank
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroStrategy
 from zero_strategy.lightning.profiler import KINDS, CommunicationProfiler, StepRecord
+from zero_strategy.testing import run_ranks
 
 # Delays injected into every step, each into one part of the profiler's split: the compute (inside training_step),
 # every wait for a peer in communication (the three reduce-scatters, and on the shared-memory path also its
@@ -32,13 +35,16 @@ REDUCE_SCATTERS_PER_STEP = 3  # one per block (stage 3, each block a unit)
 
 
 class SlowCommunication(Callback):
-    """Makes every wait for peers of a spawned rank ``WAIT_DELAY_S`` longer, as a slow network or a late peer would
-    keep it waiting: the wait of a point-to-point reduce-scatter's handle, and every wait for the peers' counters on
-    the shared-memory path (reductions, all-reduces, barriers). Rank 0 writes the seconds it slept this way in each
-    training batch to ``record`` (a JSON list): the test's own account of the communication delay."""
+    """Makes every wait for peers of a rank ``WAIT_DELAY_S`` longer, as a slow network or a late peer would keep it
+    waiting: the wait of a point-to-point reduce-scatter's handle, and every wait for the peers' counters on the
+    shared-memory path (reductions, all-reduces, barriers). ``per_batch`` holds the seconds this rank slept this way
+    in each training batch: the test's own account of the communication delay.
 
-    def __init__(self, record: Path) -> None:
-        self.record = record
+    The transports' methods are replaced for good in ``setup``, in the rank's own process: for one fit per process,
+    such as a rank that run_ranks forks for one fit and that exits after it (the test's process keeps the originals;
+    a second fit in the same process would wrap them again)."""
+
+    def __init__(self) -> None:
         self.slept_s = 0.0
         self._slept_at_batch_start = 0.0
         self.per_batch: list[float] = []
@@ -88,10 +94,6 @@ class SlowCommunication(Callback):
     ) -> None:
         self.per_batch.append(self.slept_s - self._slept_at_batch_start)
 
-    def on_train_end(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            self.record.write_text(json.dumps(self.per_batch))
-
 
 class Blocks(pl.LightningModule):
     def __init__(self) -> None:
@@ -109,18 +111,25 @@ class Blocks(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("collectives", ["auto", "point_to_point"])
-def test_profile_logs_bytes_and_time_per_collective(
-    tmp_path: Path, capsys: pytest.CaptureFixture, collectives: str
-) -> None:
+def profiled_fit(rank: int, world: int, collectives: str, log_dir: Path) -> list[float]:
+    """On one rank (launched by run_ranks as torchrun would launch it: Lightning sees LOCAL_RANK), a profiled stage-3
+    fit of 4 steps logged to ``log_dir``; the seconds this rank's communication waits were delayed, per batch."""
+    as_launched_rank(rank, world)
+    slow_communication = SlowCommunication()
     trainer = pl.Trainer(
-        strategy=ZeroStrategy(stage=3, start_method="spawn", profile=True, collectives=collectives),
-        accelerator="cpu", devices=2, max_steps=4, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, logger=CSVLogger(tmp_path, name="p"),
-        callbacks=[SlowCommunication(tmp_path / "slept.json")],
+        strategy=ZeroStrategy(stage=3, profile=True, collectives=collectives),
+        accelerator="cpu", devices=world, max_steps=4, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, logger=CSVLogger(log_dir, name="p"),
+        callbacks=[slow_communication],
     )
     trainer.fit(Blocks(), DataLoader(TensorDataset(torch.randn(64, 64)), batch_size=8))
+    return slow_communication.per_batch
+
+
+@pytest.mark.timeout(120)  # 4 steps of at least 0.9 s of injected delays: 5.7 s measured with both cores busy
+@pytest.mark.parametrize("collectives", ["auto", "point_to_point"])
+def test_profile_logs_bytes_and_time_per_collective(tmp_path: Path, collectives: str) -> None:
+    waits = run_ranks(profiled_fit, 2, collectives, tmp_path, timeout_s=100)[0]  # rank 0's, as the log is
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     gathered = [float(r["comm/all_gather_bytes"]) for r in rows if r.get("comm/all_gather_bytes")]
     scattered = [float(r["comm/reduce_scatter_bytes"]) for r in rows if r.get("comm/reduce_scatter_bytes")]
@@ -134,7 +143,6 @@ def test_profile_logs_bytes_and_time_per_collective(
     # Each part of the split against the delays injected into it (the figures come from the profiler, the windows
     # from the delays): the reduce-scatters' waits, all communication waits (as many as rank 0 counted), the
     # optimizer step and the compute each hold their delay and at most SLACK_S more, and the step holds all of them.
-    waits = json.loads((tmp_path / "slept.json").read_text())
     column = {name: [float(r[f"comm/{name}"]) for r in rows if r.get(f"comm/{name}")] for name in
               ("step_s", "compute_s", "optimizer_s", "exposed_s", "reduce_scatter_blocked_s", "above_compute_share")}
     assert len(waits) == 4 and all(len(values) == 4 for values in column.values()), (waits, column)
