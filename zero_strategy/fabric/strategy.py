@@ -24,10 +24,9 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -41,6 +40,7 @@ from zero_strategy.fabric.distributed import barrier, broadcast_object, init_pro
 from zero_strategy.fabric.forward_entry import ForwardEntry
 from zero_strategy.fabric.optimizer_class import forward_zero_grad
 from zero_strategy.fabric.precision_selection import ZeroFabricPrecisionChoice
+from zero_strategy.fabric.process_per_device import ProcessPerDevice
 from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values
 from zero_strategy.fabric.sharded_modules import ShardedModules
 from zero_strategy.names import STRATEGY_NAMES
@@ -49,7 +49,7 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 
 # ZeroFabricPrecisionChoice: the precision plugin it runs with (its properties narrow Strategy's, hence the ignore)
-class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ParallelStrategy, _Sharded):  # type: ignore[misc]
+class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelStrategy, _Sharded):  # type: ignore[misc]
     """ZeRO sharded data parallelism (stage 1, 2 or 3) under Lightning Fabric.
 
     ``Fabric(strategy="zero3")`` after ``import zero_strategy``, or ``ZeroFabricStrategy(stage=3, **options)`` with
@@ -104,30 +104,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.take_over_precision_choice()  # built by the strategy registry inside a Fabric: see the method
 
-    # ------------------------------------------------------------------------------------------ topology
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
+    # ---------------------------------------------------- launch (where the ranks sit: ProcessPerDevice)
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -136,17 +113,11 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ParallelStrategy, _Sharded):
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        self._set_world_ranks()
+        self.assign_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None

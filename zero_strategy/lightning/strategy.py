@@ -28,8 +28,6 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,6 +44,7 @@ from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.fabric.distributed import barrier, broadcast_object, init_process_group, rank_layout
 from zero_strategy.fabric.forward_entry import ForwardEntry
+from zero_strategy.fabric.process_per_device import ProcessPerDevice
 from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
@@ -61,7 +60,7 @@ from zero_strategy.names import STRATEGY_NAMES
 
 
 # ZeroPrecisionChoice: the precision plugin it runs with (its properties narrow Strategy's types, hence the ignore)
-class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore[misc]
+class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks):  # type: ignore[misc]
     """ZeRO sharded data parallelism (stage 1, 2 or 3) for any LightningModule.
 
     ``ZeroStrategy(stage=3)`` or ``Trainer(strategy="zero3")`` after ``import zero_strategy``. Options are the
@@ -133,37 +132,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
         return True
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def _configure_launcher(self) -> None:
@@ -180,7 +150,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ShardedCheckpointHooks):  # type: ignore
             make_module_tensors_private(self.lightning_module)  # see [Note: tensors shared by spawn]
         super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
+        self.assign_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
