@@ -76,6 +76,10 @@ def test_options_are_checked() -> None:
         ZeroFabricStrategy(stage=3, checkpoint_format="dcp")
     with pytest.raises(ValueError, match="meta_init"):
         ZeroFabricStrategy(stage=3, meta_init="random")
+    with pytest.raises(ValueError, match=r"profile=True .* strategy.engine\(model\).comm_log"):
+        ZeroFabricStrategy(stage=3, profile=True)
+    with pytest.raises(ValueError, match="start_method='thread'"):
+        ZeroFabricStrategy(stage=3, start_method="thread")
     assert ZeroFabricStrategy(stage=1, prefetch=False).config.prefetch is False
 
 

@@ -33,6 +33,10 @@ from typing_extensions import override
 
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.init.materialize import InitialValues
+from zero_strategy.core.runtime.activation_checkpointing import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.fabric.checkpoint import FabricCheckpoints
@@ -43,6 +47,7 @@ from zero_strategy.fabric.precision_selection import ZeroFabricPrecisionChoice
 from zero_strategy.fabric.process_per_device import ProcessPerDevice
 from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values
 from zero_strategy.fabric.sharded_modules import ShardedModules
+from zero_strategy.fabric.strategy_options import strategy_options
 from zero_strategy.names import STRATEGY_NAMES
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -72,12 +77,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         process_group_backend: str | None = None,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise ValueError(f"pass ZeRO options either as config= or as keywords, not both (got {sorted(options)})")
-        if config is None:
-            config = ZeroConfig.from_kwargs(**({"stage": stage} if stage is not None else {}), **options)
-        elif stage is not None and stage != config.stage:
-            raise ValueError(f"stage={stage} disagrees with config.stage={config.stage}")
+        resolved = strategy_options(stage, config, start_method, options)
+        config = resolved.config
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' (a directory, one shard per rank) "
                              "or 'full' (one consolidated file)")
@@ -87,14 +88,18 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
                 "checkpoints are this package's sharded directory (zero-to-dcp converts one) or, with "
                 "state_dict_type='full', one consolidated file."
             )
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method={start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'")
+        if config.profile:
+            raise ValueError(
+                "profile=True is the Trainer's CommunicationProfiler callback, which Fabric has no place for: under "
+                "Fabric read the bytes and seconds per collective from strategy.engine(model).comm_log instead."
+            )
         if checkpoint_io is not None:
             raise TypeError("ZeroFabricStrategy writes its own checkpoints (sharded, or one file with "
                             "state_dict_type='full'); remove the CheckpointIO plugin.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self.config = config
+        self._checkpoint_policy = resolved.checkpoint_policy
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -143,6 +148,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """Shard ``module`` with its optimizers bound (one engine). Collective."""
+        self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             entry = self._modules.setup(module, list(optimizers), values)
         for optimizer in optimizers:
@@ -154,8 +160,15 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         """Shard ``module`` now, without optimizers: its parameters are real (sharded at stage 3) for an optimizer
         built from them, set up next with ``setup_optimizers`` (see [Note: optimizers set up after their module]),
         or for evaluation and distillation. Collective."""
+        self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             return self._modules.setup(module, [], values)
+
+    def _checkpoint_activations(self, module: nn.Module) -> None:
+        """``activation_checkpointing``: wrap the selected submodules' forwards before the engine is built, as the
+        Trainer's strategy does (teardown unwraps them)."""
+        if self._checkpoint_policy is not None:
+            apply_activation_checkpointing(module, self._checkpoint_policy, self.config.cpu_checkpointing)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -195,6 +208,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
 
     @override
     def teardown(self) -> None:
+        for item in self._modules.items:
+            remove_activation_checkpointing(item.module)
         self._modules.release_all()
         super().teardown()
         if self._start_method != "popen" and _distributed_is_initialized():

@@ -36,7 +36,6 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
-    make_policy,
     remove_activation_checkpointing,
 )
 from zero_strategy.core.step.engine import ZeroEngine
@@ -46,6 +45,7 @@ from zero_strategy.fabric.distributed import barrier, broadcast_object, init_pro
 from zero_strategy.fabric.forward_entry import ForwardEntry
 from zero_strategy.fabric.process_per_device import ProcessPerDevice
 from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values, take_back_released
+from zero_strategy.fabric.strategy_options import strategy_options
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.lightning.precision import ZeroPrecision
@@ -84,20 +84,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         **options: Any,
     ) -> None:
         # Lightning's plumbing arguments are kept by name for compatibility with its connectors.
-        if config is not None and options:
-            raise ValueError(f"pass ZeRO options either as config= or as keywords, not both (got {sorted(options)})")
-        # activation_checkpointing may be module classes or a policy callable (not config-file material): keep
-        # those here, and class names in the config.
-        checkpointing = options.pop("activation_checkpointing", None)
-        if isinstance(checkpointing, (list, tuple)) and all(isinstance(item, str) for item in checkpointing):
-            options["activation_checkpointing"] = list(checkpointing)
-            checkpointing = None
-        if config is None:
-            config = ZeroConfig.from_kwargs(**({"stage": stage} if stage is not None else {}), **options)
-        elif stage is not None and stage != config.stage:
-            raise ValueError(f"stage={stage} disagrees with config.stage={config.stage}")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method={start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'")
+        resolved = strategy_options(stage, config, start_method, options)
+        config = resolved.config
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -107,8 +95,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         )
         self.config = config
         self.checkpoint_io.checkpoint_format = config.checkpoint_format
-        spec = checkpointing if checkpointing is not None else config.activation_checkpointing
-        self._checkpoint_policy = make_policy(spec)
+        self._checkpoint_policy = resolved.checkpoint_policy
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
