@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError, fsync_directory
 from zero_strategy.checkpoint.plain_file import read_plain_checkpoint
 from zero_strategy.checkpoint.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.safetensors_io import DTYPE_CODES, write_safetensors
@@ -282,20 +282,6 @@ def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(target.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------ progress

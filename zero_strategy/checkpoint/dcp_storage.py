@@ -43,7 +43,7 @@ from zero_strategy.checkpoint.dcp_paths import (
     data_file_name,
     is_dcp_directory,
 )
-from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError
+from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError, fsync_directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,20 +118,6 @@ class StreamingFileWriter(FileSystemWriter):
         os.replace(scratch / METADATA_NAME, self._directory / METADATA_NAME)
         fsync_directory(self._directory)
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make renames inside ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------ staging

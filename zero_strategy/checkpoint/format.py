@@ -158,3 +158,18 @@ class Manifest:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, directory / MANIFEST_NAME)
+        fsync_directory(directory)  # the rename survives a power loss too, as the other writers' renames do
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames inside ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -32,11 +32,11 @@ from torch import Tensor
 from zero_strategy.checkpoint.consolidate import (
     StateDictEntry,
     TrainerState,
-    fsync_directory,
     progress_bar,
     state_dict_entries,
     stream_values,
 )
+from zero_strategy.checkpoint.format import fsync_directory
 from zero_strategy.checkpoint.hf_layout import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
