@@ -26,6 +26,19 @@ class ReduceOp(Enum):
     MAX = "max"
 
 
+def combine_in_rank_order(parts: list[Tensor], op: ReduceOp) -> Tensor:
+    """Every rank's contribution combined into a new tensor, summing in rank order (the order every transport
+    sums in, so that results are bit-identical between transports)."""
+    if op is ReduceOp.MAX:
+        return torch.stack(parts).amax(0)
+    result = parts[0].clone()
+    for part in parts[1:]:
+        result.add_(part)
+    if op is ReduceOp.MEAN:
+        result.div_(len(parts))
+    return result
+
+
 class Comm(ABC):
     """One process group's exchanges. ``label`` names what is exchanged (a unit, "agreement on used parameters")
     for error messages and for the divergence watch."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.core.comm.comm import Comm, ReduceOp
+from zero_strategy.core.comm.comm import Comm, ReduceOp, combine_in_rank_order
 from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.work import Work
 
@@ -152,15 +152,7 @@ class InProcessComm(Comm):
         key = self._key(_OTHER)
         self._post(key, tensor.detach().clone())
         parts = self._collect(key, "all_reduce", f"all-reduce of {label}", nbytes)
-        if op is ReduceOp.MAX:
-            result = torch.stack(parts).amax(0)
-        else:
-            result = parts[0].clone()
-            for part in parts[1:]:
-                result.add_(part)
-            if op is ReduceOp.MEAN:
-                result.div_(self.size)
-        return Work.done(tensor.copy_(result))
+        return Work.done(tensor.copy_(combine_in_rank_order(parts, op)))
 
     def broadcast(self, tensor: Tensor, src: int, label: str) -> Work:
         self.log.record_call("broadcast", tensor.numel() * tensor.element_size())

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.core.comm.comm import Comm, ReduceOp
+from zero_strategy.core.comm.comm import Comm, ReduceOp, combine_in_rank_order
 from zero_strategy.core.comm.shm_exchange import SharedExchange
 from zero_strategy.core.comm.work import NOTHING, Work
 
@@ -113,15 +113,7 @@ class SharedMemoryComm(Comm):
         def reduce(sequence: int) -> Tensor:
             parts = self._exchange.arenas(sequence, count, dtype)
             self._count_reads("all_reduce", nbytes)
-            if op is ReduceOp.MAX:
-                result = torch.stack(parts).amax(0)
-            else:
-                result = parts[0].clone()
-                for part in parts[1:]:
-                    result.add_(part)
-                if op is ReduceOp.MEAN:
-                    result.div_(self.size)
-            return tensor.copy_(result.view_as(tensor))
+            return tensor.copy_(combine_in_rank_order(parts, op).view_as(tensor))
 
         operation = self._exchange.post("all_reduce", f"all-reduce of {label}", reduce)
         return Work(operation.wait)
