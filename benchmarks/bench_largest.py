@@ -41,6 +41,7 @@ from torch import nn
 
 from benchmarks.bench_model import BenchGPT, ModelShape, lm_loss, parameter_count, rank_batches, warm_up_kernels
 from zero_strategy.estimate.fit import GPTFamily, Machine, Peaks, compare_peaks, largest_fitting
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 FAMILY = GPTFamily(width_per_layer=64, vocab=8192, max_seq=128)
 SIZES = {"tiny": 2, "50m": 10, "150m": 14, "400m": 20, "3b": 40}  # n_layer: 1.5 M, 54.6 M, 142.5 M, 404.2 M, 3.17 B
@@ -58,17 +59,6 @@ def shape_of(size: str) -> ModelShape:
 
 
 # --------------------------------------------------------------------------------------------- one rank's run
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 @dataclass(slots=True)
 class Built:
     """A method set up on one rank: the module to call, the optimizer, its step, and (nvme) the engine."""
@@ -162,16 +152,15 @@ def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str, st
     shape = shape_of(size)
     batches = rank_batches(shape, steps, BATCH, SEQ, rank, world)
     warm_up_kernels()
-    baseline = _vm("VmRSS")
-    _reset_peak()
+    baseline = reset_peak()
     torch.manual_seed(0)
     start = time.perf_counter()
     built = BUILDERS[method](shape, nvme_dir)
-    setup = {"setup_peak": _vm("VmHWM") - baseline, "setup_s": time.perf_counter() - start}
+    setup = {"setup_peak": status_bytes("VmHWM") - baseline, "setup_s": time.perf_counter() - start}
     placement = getattr(built.engine, "placement", None)
     if placement is not None and placement.store is not None:
         placement.store.release_pages()
-    _reset_peak()
+    reset_peak()
     times = []
     for tokens in batches:
         start = time.perf_counter()
@@ -180,7 +169,7 @@ def rank_worker(rank: int, world: int, method: str, size: str, nvme_dir: str, st
         built.backward(loss) if built.backward is not None else loss.backward()
         built.step()
         times.append(time.perf_counter() - start)
-    result = {**setup, "train_peak": _vm("VmHWM") - baseline, "step_s": times[-1], "disk": 0}
+    result = {**setup, "train_peak": status_bytes("VmHWM") - baseline, "step_s": times[-1], "disk": 0}
     if placement is not None and placement.store is not None:  # this rank's files only (both share nvme_dir)
         result["disk"] = _allocated_bytes(str(placement.store.folder))
     if built.engine is not None:

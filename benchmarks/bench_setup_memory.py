@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_largest import FAMILY, _reset_peak, _vm
+from benchmarks.bench_largest import FAMILY
 from benchmarks.bench_model import BenchGPT, ModelShape, parameter_count, warm_up_kernels
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 MiB = 2**20
 
@@ -48,15 +49,14 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed multi-page buffers leave the heap
     torch.set_num_threads(1)
     warm_up_kernels()
-    baseline = _vm("VmRSS")
-    _reset_peak()
+    baseline = reset_peak()
     torch.manual_seed(0)
     with record_construction() as recording:
         model = BenchGPT(shape_for(layers))
     config = ZeroConfig(stage=3, pretrained=weights_file)
     with initial_values(model, recording, config, torch.device("cpu")) as values:
         engine = ZeroEngine(model, [], config, initial_values=values)
-    peak = _vm("VmHWM") - baseline
+    peak = status_bytes("VmHWM") - baseline
     largest_unit = max(flat.layout.padded_numel * flat.shard.element_size() for flat in engine.flat_params)
     psi = sum(flat.layout.numel for flat in engine.flat_params)
     mismatched = []

@@ -34,6 +34,7 @@ from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank
 from benchmarks.bench_spread import repetition_table
 from zero_strategy.core.flat.access import own_grad
 from zero_strategy.core.step.memory import memory_report
+from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 
 DEFAULT_METHODS = list(BUILDERS)
@@ -138,21 +139,6 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
         return param_bytes, grad_bytes, _distinct_bytes(states, seen)
 
 
-def _proc_status_bytes(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} missing from /proc/self/status")
-
-
-def reset_peak_rss() -> int:
-    """Make ``VmHWM`` start again from the current RSS; return that RSS (the baseline)."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    return _proc_status_bytes("VmRSS")
-
-
 def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: CollectiveCounter) -> dict[str, Any]:
     times: list[float] = []
     losses: list[float] = []
@@ -193,7 +179,7 @@ def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) 
     assert options.batch is not None and options.seq is not None
     batches = rank_batches(shape, options.warmup + options.steps, options.batch, options.seq, rank, world_size)
     warm_up_kernels()
-    baseline = reset_peak_rss()
+    baseline = reset_peak()
     counter = CollectiveCounter()
     counter.install()
     try:
@@ -204,7 +190,7 @@ def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) 
             result["engine_log"] = run.engine.comm_log.snapshot()
     finally:
         counter.remove()
-    result["peak_rss"] = _proc_status_bytes("VmHWM") - baseline
+    result["peak_rss"] = status_bytes("VmHWM") - baseline
     return result
 
 

@@ -257,14 +257,10 @@ def test_cli_outputs_load_without_zero_strategy(tied_2ranks, tmp_path, capsys):
 RSS_DRIVER = """
 import json, sys
 from zero_strategy.checkpoint.consolidate import consolidate
-
-def reset_peak():  # Linux: VmHWM := current RSS (import-time transients are not ours to count)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field)) / 1024
+    return status_bytes(field) / 2**20
 
 reset_peak()
 base = rss_mib("VmRSS")

@@ -26,14 +26,10 @@ RSS_DRIVER = """
 import json, sys
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zero_strategy.checkpoint.dcp_export import export_to_dcp
-
-def reset_peak():  # Linux: VmHWM := current RSS (import-time transients are not ours to count)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field)) / 1024
+    return status_bytes(field) / 2**20
 
 reset_peak()
 base = rss_mib("VmRSS")

@@ -380,14 +380,10 @@ RSS_DRIVER = """
 import json, sys
 from zero_strategy.checkpoint.consolidate import consolidate
 from zero_strategy.checkpoint.hf_export import consolidate_hf
-
-def reset_peak():  # Linux: VmHWM := current RSS
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field)) / 1024
+    return status_bytes(field) / 2**20
 
 config = {"model_type": "gpt2"}
 consolidate_hf(sys.argv[1], sys.argv[3] + "/warm", config, progress=False)  # lazy initialisation, not ours to count

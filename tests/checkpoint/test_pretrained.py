@@ -24,6 +24,7 @@ from zero_strategy.checkpoint.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.save import save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 
 
@@ -360,14 +361,11 @@ def _reset_peak_rss() -> float:
     """Linux: VmHWM := current RSS; returns the current RSS in MiB. Freed heap memory glibc still holds is handed
     back first: allocations could otherwise reuse it unseen, and the probe would under-count."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    return _rss_mib("VmRSS")
+    return reset_peak() / 2**20
 
 
 def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field)) / 1024
+    return status_bytes(field) / 2**20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak-RSS reset through /proc is Linux-only")

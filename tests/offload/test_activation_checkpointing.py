@@ -4,7 +4,6 @@ alive for backward by a deep model."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from zero_strategy.core.runtime.activation_checkpointing import (
     make_policy,
     remove_activation_checkpointing,
 )
+from zero_strategy.process_memory import status_bytes
 from zero_strategy.testing import run_ranks
 
 
@@ -69,13 +69,6 @@ def test_checkpointing_gives_identical_weights(stage: int) -> None:
         assert torch.equal(recomputed[key], value), key
 
 
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError("VmRSS")
-
-
 def kept_for_backward(rank: int, world: int, checkpointing: bool) -> int:
     """Resident bytes that a forward leaves alive until backward (activations), measured in the process.
     A fixed malloc mmap threshold makes freed buffers leave RSS at once (see test_offload.py)."""
@@ -87,9 +80,9 @@ def kept_for_backward(rank: int, world: int, checkpointing: bool) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, min_unit_numel=10**9))
     x = torch.randn(512, 256)
-    before = _rss()
+    before = status_bytes("VmRSS")
     loss = model(x).pow(2).mean()
-    kept = _rss() - before
+    kept = status_bytes("VmRSS") - before
     loss.backward()
     engine.reduce_pending(opt)
     return kept

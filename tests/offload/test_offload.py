@@ -15,6 +15,7 @@ from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroConfigError, ZeroEngine
 from zero_strategy.core.flat.placement import NvmeStore, OffloadError
+from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 
 
@@ -91,20 +92,13 @@ def test_unwritable_or_full_nvme_path_fails_before_training(tmp_path: Path) -> N
         NvmeStore.check_space(tmp_path, 2**62)
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def peak_training_rss(rank: int, world: int, options: dict) -> int:
     """Peak resident bytes above the pre-model baseline while training (after sharding), fp32 AdamW.
 
     glibc raises its mmap threshold after the first large free, after which freed multi-MB buffers stay in the
     heap and RSS only grows; a fixed threshold makes RSS track what is really alive, for both runs alike."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-    baseline = _vm("VmRSS")
+    baseline = status_bytes("VmRSS")
     torch.manual_seed(0)
     # 33.6 M parameters (134 MB): optimizer state dominates the constant per-process and per-unit overheads
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(32)))
@@ -112,13 +106,13 @@ def peak_training_rss(rank: int, world: int, options: dict) -> int:
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, min_unit_numel=2**20, **options))
     if engine.placement is not None and engine.placement.store is not None:
         engine.placement.store.release_pages()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: measure the training phase
+    reset_peak()  # measure the training phase
     x = torch.randn(4, 1024)
     for _ in range(2):
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         engine.optimizer_step(opt)
-    peak = _vm("VmHWM") - baseline
+    peak = status_bytes("VmHWM") - baseline
     engine.release()
     return peak
 

@@ -5,17 +5,17 @@ the README states). Measured in fresh interpreters (see measure_in_fresh_process
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from offload.test_offload import _vm, measure_in_fresh_process
+from offload.test_offload import measure_in_fresh_process
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.init import record_construction
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.process_memory import reset_peak, status_bytes
 
 WIDTH, LAYERS = 2048, 16  # Ψ = 67.1 M fp32 parameters (256 MiB); each Linear (16 MiB) is one unit
 MiB = 2**20
@@ -28,8 +28,7 @@ def _build() -> nn.Module:
 def peak_setup_rss(rank: int, world: int, meta: bool) -> dict[str, int]:
     """Peak resident bytes above the baseline from building the model to the end of the engine's set-up."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed buffers go back to the system
-    baseline = _vm("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM
+    baseline = reset_peak()
     torch.manual_seed(0)
     if meta:
         with record_construction() as recording:
@@ -39,7 +38,7 @@ def peak_setup_rss(rank: int, world: int, meta: bool) -> dict[str, int]:
         model, values = _build(), None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # its state appears at the first step, not here
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, min_unit_numel=2**20), initial_values=values)
-    peak = _vm("VmHWM") - baseline
+    peak = status_bytes("VmHWM") - baseline
     psi = sum(flat.layout.numel for flat in engine.flat_params)
     largest_unit = max(flat.layout.padded_numel * 4 for flat in engine.flat_params)
     engine.release()
