@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from markdown_blocks import RUNNABLE_LANGUAGES, RUNNABLE_MARKER, Block, broken_l
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CLEARED_ENV = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "RANK", "MASTER_ADDR", "PL_GLOBAL_SEED"}
-BLOCK_TIMEOUT_S = 150
+BLOCK_TIMEOUT_S = 240  # each block takes seconds on a quiet machine; a loaded one runs them several times slower
 
 
 def runnable_blocks() -> list[Block]:
@@ -48,8 +49,16 @@ def run_block(block: Block, directory: Path) -> subprocess.CompletedProcess[str]
     script.write_text(block.code)
     command = [sys.executable, script.name] if interpreter == "python" else ["bash", "-e", "-o", "pipefail",
                                                                            script.name]
-    return subprocess.run(command, cwd=directory, env=block_env(), capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S)
+    # a session of its own, so that a block that runs too long is ended with everything it started
+    with subprocess.Popen(command, cwd=directory, env=block_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # this block fails; the others still run and report
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            return subprocess.CompletedProcess(command, -1, stdout, f"{stderr}\ntimed out after {BLOCK_TIMEOUT_S} s")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def check_ran(block: Block, done: subprocess.CompletedProcess[str]) -> None:
@@ -92,7 +101,7 @@ def test_every_runnable_marker_marks_a_runnable_block() -> None:
     assert "README.md" in marked_in and len(marked_in) > 1, f"runnable blocks only in {marked_in}"
 
 
-@pytest.mark.timeout(400)  # the first case waits for the shared directory and every block (two at a time)
+@pytest.mark.timeout(1200)  # the first case waits for the shared directory and every block, two at a time
 @pytest.mark.parametrize("block", runnable_blocks(), ids=lambda block: block.name)
 def test_runnable_block_runs(block: Block, block_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     check_ran(block, block_runs[block.name])
@@ -135,12 +144,17 @@ def test_markers_and_blocks_are_read_as_written(tmp_path: Path) -> None:
     assert markdown.errors == [f"doc.md:17: {RUNNABLE_MARKER} is not followed by a fenced code block"]
 
 
-def test_a_failing_runnable_block_fails_the_check(tmp_path: Path) -> None:
+def test_a_failing_runnable_block_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for language, code in (("bash", "false\necho never reached\n"), ("bash", "false | cat\n"),
                            ("python", "raise SystemExit(3)\n")):
         block = Block(tmp_path / "doc.md", 1, language, code, True)
         with pytest.raises(AssertionError, match="exited with"):
             check_ran(block, run_block(block, tmp_path))
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_TIMEOUT_S", 1)
+    hanging = Block(tmp_path / "doc.md", 1, "bash", "sleep 30\n", True)
+    with pytest.raises(AssertionError, match="timed out after 1 s"):
+        check_ran(hanging, run_block(hanging, tmp_path))
+    monkeypatch.undo()
     passing = Block(tmp_path / "doc.md", 1, "bash", "true\n", True)
     check_ran(passing, run_block(passing, tmp_path))
     with pytest.raises(ValueError, match="must be one of"):
