@@ -23,12 +23,15 @@ tests that should catch it, and fail unless every fault is caught.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from .faults import FAULTS, Fault
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAULT_TIMEOUT_S = 300.0  # one fault's pytest run; each test has its own shorter pytest-timeout inside it
+STARTUP_TIMEOUT_S = 120.0  # the runner's imports; a run's start and the report of a killed run
 # `make test`'s rule (see [Note: which rank deaths are retried] in tests/conftest.py): a rank that died at exit
 # after finishing its work is not a failure a fault caused
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "-o", "addopts=-ra", "--reruns", "1",
@@ -109,7 +113,8 @@ class Run:
 
     def failed_tests(self) -> list[str]:
         """Node ids pytest's summary reports as FAILED, then those it reports as ERROR (failures in fixtures)."""
-        failed, errors = [], []
+        failed: list[str] = []
+        errors: list[str] = []
         for line in self.output.splitlines():
             for word, into in (("FAILED ", failed), ("ERROR ", errors)):
                 if line.startswith(word):
@@ -117,40 +122,84 @@ class Run:
         return failed + [f"{node} (fixture)" for node in errors]
 
 
-def run_pytest(copy: Path, node_ids: Iterable[str], stop_at_first: bool, timeout_s: float) -> Run:
-    """pytest on ``node_ids`` inside ``copy``, which comes first on PYTHONPATH. The run gets a session of its own,
-    killed whole (ranks included) at the timeout or on Ctrl-C."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])])
-    command = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *(["-x"] if stop_at_first else []), *node_ids]
-    start = time.monotonic()
-    process = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-        returncode: int | None = process.returncode
-    except subprocess.TimeoutExpired:
-        _kill_session(process)
-        output, _ = process.communicate()
-        returncode = None
-    finally:
-        _kill_session(process)  # Ctrl-C: the run's session does not get the terminal's SIGINT
-    return Run(returncode, time.monotonic() - start, output)
+class Runner:
+    """runner.py inside the copy: one interpreter that imported torch and Lightning once and forks a pytest per run
+    (see runner.py). Each run's child has a session of its own, killed whole (ranks included) at the timeout, on
+    Ctrl-C, and after it ends (ranks it left behind)."""
+
+    def __init__(self, copy: Path) -> None:
+        self.copy = copy
+        self.runs = 0
+        self.child: int | None = None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.mutation.runner"], cwd=copy, env=environment(copy),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self._replies: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read_replies, daemon=True).start()
+        self._reply(STARTUP_TIMEOUT_S)
+
+    def _read_replies(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._replies.put(json.loads(line))
+        self._replies.put({"ended": True})
+
+    def _reply(self, timeout_s: float) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError from None
+        if "ended" in reply:
+            raise RuntimeError(f"the mutation runner ended unexpectedly (exit {self.process.wait()})")
+        return reply
+
+    def run(self, node_ids: Iterable[str], stop_at_first: bool, timeout_s: float) -> Run:
+        """pytest on ``node_ids`` in the copy; killed at ``timeout_s``."""
+        self.runs += 1
+        log = self.copy.parent / f"run-{self.runs}.log"
+        args = [*PYTEST_ARGS, *(["-x"] if stop_at_first else []), *node_ids]
+        start = time.monotonic()
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+        self.child = int(self._reply(STARTUP_TIMEOUT_S)["pid"])
+        returncode: int | None
+        try:
+            returncode = int(self._reply(max(1.0, timeout_s - (time.monotonic() - start)))["code"])
+        except TimeoutError:
+            _kill_session(self.child)
+            self._reply(STARTUP_TIMEOUT_S)  # the runner reports the killed child
+            returncode = None
+        finally:
+            _kill_session(self.child)
+            self.child = None
+        return Run(returncode, time.monotonic() - start, log.read_text(errors="replace"))
+
+    def close(self) -> None:
+        if self.child is not None:
+            _kill_session(self.child)
+        _kill_session(self.process.pid)
+        self.process.wait()
 
 
-def _kill_session(process: subprocess.Popen) -> None:
+def _kill_session(leader: int) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(leader, signal.SIGKILL)
     except ProcessLookupError:  # the session is gone already
         pass
 
 
+def environment(copy: Path) -> dict[str, str]:
+    """This process's environment with the copy first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def imported_package(copy: Path) -> str:
     """Where ``zero_strategy`` is found with the copy on PYTHONPATH (found, not imported: that takes seconds)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.run(
         [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('zero_strategy').origin)"],
-        cwd=copy, env=env, check=True, capture_output=True, text=True,
+        cwd=copy, env=environment(copy), check=True, capture_output=True, text=True,
     ).stdout.strip()
 
 
@@ -177,16 +226,16 @@ def judge(fault: Fault, run: Run) -> Verdict:
                                  f"{why.get(run.returncode, 'internal or usage error')}", run.seconds)
 
 
-def try_fault(fault: Fault, copy: Path, index: int, timeout_s: float, show_output: bool = False) -> Verdict:
-    """Plant ``fault`` in ``copy``, run its tests, put the file back (checked)."""
-    path = copy / fault.file
+def try_fault(fault: Fault, runner: Runner, index: int, timeout_s: float, show_output: bool = False) -> Verdict:
+    """Plant ``fault`` in the runner's copy, run its tests, put the file back (checked)."""
+    path = runner.copy / fault.file
     original = path.read_bytes()
     stat = path.stat()
     try:
         path.write_text(plant(fault, original.decode()))
         # a modification time no other version of this file has (see the Note)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + (index + 1) * 1_000_000_000))
-        run = run_pytest(copy, fault.tests, stop_at_first=True, timeout_s=timeout_s)
+        run = runner.run(fault.tests, stop_at_first=True, timeout_s=timeout_s)
     finally:
         path.write_bytes(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
@@ -241,20 +290,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not found.startswith(str(copy)):
             print(f"mutation check: the tests would import zero_strategy from {found}, not the copy", file=sys.stderr)
             return 2
-        union = list(dict.fromkeys(node for fault in faults for node in fault.tests))
-        print(f"baseline: {len(union)} test selections of {len(faults)} faults on the unplanted copy ...", flush=True)
-        baseline = run_pytest(copy, union, stop_at_first=False, timeout_s=args.timeout * 2)
-        if baseline.returncode != 0:
-            print(baseline.output[-6000:], file=sys.stderr)
-            print(f"mutation check: the tests fail without any fault (pytest exit {baseline.returncode}), so a kill "
-                  "would prove nothing; fix them first", file=sys.stderr)
-            return 2
-        print(f"baseline passed in {baseline.seconds:.1f} s", flush=True)
-        verdicts = []
-        for index, fault in enumerate(faults):
-            verdict = try_fault(fault, copy, index, args.timeout, args.show_output)
-            print(f"  {fault.name}: {verdict.detail} ({verdict.seconds:.1f} s)", flush=True)
-            verdicts.append(verdict)
+        runner = Runner(copy)
+        try:
+            union = list(dict.fromkeys(node for fault in faults for node in fault.tests))
+            print(f"baseline: {len(union)} test selections of {len(faults)} faults on the unplanted copy ...",
+                  flush=True)
+            baseline = runner.run(union, stop_at_first=False, timeout_s=args.timeout * 2)
+            if baseline.returncode != 0:
+                print(baseline.output[-6000:], file=sys.stderr)
+                print(f"mutation check: the tests fail without any fault (pytest exit {baseline.returncode}), so a "
+                      "kill would prove nothing; fix them first", file=sys.stderr)
+                return 2
+            print(f"baseline passed in {baseline.seconds:.1f} s", flush=True)
+            verdicts = []
+            for index, fault in enumerate(faults):
+                verdict = try_fault(fault, runner, index, args.timeout, args.show_output)
+                print(f"  {fault.name}: {verdict.detail} ({verdict.seconds:.1f} s)", flush=True)
+                verdicts.append(verdict)
+        finally:
+            runner.close()
     print_table(verdicts)
     alive = [v for v in verdicts if not v.killed]
     total = time.monotonic() - started
