@@ -16,8 +16,10 @@ tests that should catch it, and fail unless every fault is caught.
   the package Python imports: otherwise a "kill" proves nothing.
 - A fault is killed when one of its tests fails (pytest exit code 1). A collection error (the fault broke an
   import), a run that outlives its timeout and a run that passes all fail the check.
-- Each planted file gets a modification time of its own, so no process reuses a bytecode cache compiled from
-  another version of it (a cache is keyed by the source's size and whole-second mtime).
+- Each run is a pytest in a child forked from one runner (runner.py) that imported torch and Lightning once but
+  never zero_strategy (it refuses to start if they pulled it in): every child imports the library afresh, fault
+  included. Each planted file gets a modification time of its own, so no process reuses a bytecode cache compiled
+  from another version of it (a cache is keyed by the source's size and whole-second mtime).
 """
 
 from __future__ import annotations

@@ -235,6 +235,17 @@ FAULTS: tuple[Fault, ...] = (
         tests=("tests/checkpoint/test_ckpt_crash.py::test_crash_during_save_keeps_previous_checkpoint"
                "[rank1-in-shard-write-new-last-v1]",),
     ),
+    Fault(
+        name="save-returns-before-publish",
+        area="checkpoint",
+        file="zero_strategy/checkpoint/save.py",
+        original='    failures = everyone.broadcast_object(failures, 0, "checkpoint outcome")',
+        replacement="    pass",
+        description="save: ranks other than 0 return without waiting for rank 0 to publish (the closing barrier "
+                    "dropped), so a save that failed at rank 0 looks done to them",
+        tests=("tests/checkpoint/test_ckpt_crash.py::test_crash_during_save_keeps_previous_checkpoint"
+               "[rank0-before-manifest-overwrite-last]",),
+    ),
     # ------------------------------------------------------------------------------------------- adapters
     Fault(
         name="lightning-clip-before-unscale",
