@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # older ones than ours (huggingface-hub<1.4, hence an older transformers), and what the test imports needs none else
 LITGPT_VERSION := 0.5.13
 
-.PHONY: setup train test lint gpu-check
+.PHONY: setup train test lint gpu-check mutation-check
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml constraints.txt Makefile
@@ -31,6 +31,12 @@ lint: setup
 # the run (see [Note: which rank deaths are retried] in tests/conftest.py).
 test: lint
 	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing
+	$(MAKE) mutation-check
+
+# Faults planted one at a time in a scratch copy of the library; each must make one of its tests fail (the table of
+# faults and the tests that kill them: tests/mutation/faults.py; --only NAME runs one)
+mutation-check: setup
+	$(BIN)/python -m tests.mutation.check
 
 # The GPU path on a CUDA machine (sized for ~8 min on one H200, setup included; not yet timed on one): fail at
 # once without a GPU, run the CUDA tier (tests marked `cuda`, torchrun workers), then benchmarks/gpu_check.py on

@@ -19,6 +19,7 @@ from zero_strategy.core.plan.precision import NORMALIZATION_LAYERS
 from zero_strategy.testing import run_ranks
 
 WORLD, STEPS, ACCUM, PER_RANK = 2, 3, 2, 4
+FP16_SCALE = 2.0**4  # a static loss scale other than 1: a step that forgot to unscale cannot match the reference
 
 
 class Net(nn.Module):
@@ -45,7 +46,9 @@ def loss_of(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return nn.functional.cross_entropy(logits.float().reshape(-1, 12), x[:, 1:].reshape(-1)) / ACCUM
 
 
-def reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def reference(dtype: torch.dtype, loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """``loss_scale``: backward of the scaled loss, its gradients divided by it in fp32 (what torch's GradScaler
+    does; fp16 gradients of the scaled loss underflow less than those of the loss itself)."""
     torch.manual_seed(0)
     master = Net()
     opt = torch.optim.SGD(master.parameters(), lr=0.3, momentum=0.9)
@@ -59,9 +62,9 @@ def reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         for micro in step:
             for rank in range(WORLD):
                 compute.zero_grad()
-                loss_of(compute, micro[rank * PER_RANK : (rank + 1) * PER_RANK], dtype).backward()
+                (loss_of(compute, micro[rank * PER_RANK : (rank + 1) * PER_RANK], dtype) * loss_scale).backward()
                 for name, param in compute.named_parameters():
-                    grads[name] += param.grad.float() / WORLD
+                    grads[name] += param.grad.float() / loss_scale / WORLD
         for name, param in master.named_parameters():
             param.grad = grads[name]
         opt.step()
@@ -72,7 +75,7 @@ def zero_run(rank: int, world: int, stage: int, precision: str) -> dict[str, tor
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    plugin = ZeroPrecision(precision, loss_scale=1.0 if precision == "16-mixed" else 0.0)
+    plugin = ZeroPrecision(precision, loss_scale=FP16_SCALE if precision == "16-mixed" else 0.0)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, min_unit_numel=10**9), policy=plugin.policy())
     plugin.attach(engine)
     for step in batches():
@@ -93,7 +96,7 @@ def zero_run(rank: int, world: int, stage: int, precision: str) -> dict[str, tor
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_low_precision_matches_reference_at_every_stage(precision: str) -> None:
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-    expected = reference(dtype)
+    expected = reference(dtype, FP16_SCALE if precision == "16-mixed" else 1.0)
     for stage in (1, 2, 3):
         got = run_ranks(zero_run, WORLD, stage, precision, timeout_s=60)[0]
         for key, value in expected.items():

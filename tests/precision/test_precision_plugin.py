@@ -53,8 +53,10 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def _train(rank: int, world: int, stage: int, poison: dict[int, list[int]], knobs: dict) -> dict:
-    """Steps with fp16 + dynamic scaling; at step s, ranks in poison[s] produce an inf gradient."""
+def _train(rank: int, world: int, stage: int, poison: dict[int, list[int]], knobs: dict,
+           head_bias_only: bool = False) -> dict:
+    """Steps with fp16 + dynamic scaling; at step s, ranks in poison[s] produce an inf gradient (everywhere, or in
+    the head's bias alone)."""
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -70,14 +72,17 @@ def _train(rank: int, world: int, stage: int, poison: dict[int, list[int]], knob
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(data[step][rank * per : (rank + 1) * per]).float().pow(2).mean()
             if rank in poison.get(step, []):
-                loss = loss * float("inf")
+                loss = loss + float("inf") * model.head.bias.sum() if head_bias_only else loss * float("inf")
             (loss * plugin.loss_scale).backward()  # what ZeroPrecision.pre_backward does inside Lightning
             return loss
 
         plugin.optimizer_step(opt, model=model, closure=closure)
     with engine.gathered_parameters():
         weights = {k: v.float().clone() for k, v in model.state_dict().items()}
-    return {"weights": weights, "scale": plugin.loss_scale, "skipped": plugin.skipped_steps}
+    owns_head_bias = any(piece.name == "head.bias" for flat in engine.flat_params
+                         for piece in flat.layout.overlaps(flat.rank))
+    return {"weights": weights, "scale": plugin.loss_scale, "skipped": plugin.skipped_steps,
+            "owns_head_bias": owns_head_bias}
 
 
 @pytest.mark.timeout(90)
@@ -94,6 +99,19 @@ def test_overflow_on_one_rank_equals_overflow_on_every_rank(stage: int) -> None:
         assert torch.equal(value, one[1]["weights"][key]), key
     # the skipped steps really were skipped: the result differs from a run without them
     assert any(not torch.equal(v, clean[0]["weights"][k]) for k, v in one[0]["weights"].items())
+
+
+@pytest.mark.timeout(90)
+def test_an_overflow_only_one_ranks_slice_holds_is_agreed() -> None:
+    """An inf in the head's bias alone lands, after the reduce-scatter, in the slice of the one rank that owns the
+    bias (rank 1); rank 0 poisons it, and its own slice stays finite: it must skip the step all the same. Stage 3:
+    a rank stepping alone there leaves the ranks' weights apart instead of hanging in a gather."""
+    results = run_ranks(_train, 2, 3, {2: [0]}, {"initial_scale_power": 8, "hysteresis": 1}, True, timeout_s=60)
+    assert [result["owns_head_bias"] for result in results] == [False, True]  # the premise: one owner
+    assert [result["skipped"] for result in results] == [1, 1]
+    assert results[0]["scale"] == results[1]["scale"] == 2.0**7
+    for key, value in results[0]["weights"].items():
+        assert torch.equal(value, results[1]["weights"][key]), key
 
 
 def _skip_changes_nothing(rank: int, world: int) -> bool:
