@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import watching
@@ -112,6 +113,8 @@ class ZeroEngine:
         self.optimizers = list(optimizers)
         self.config = config
         self.stage = ZeroStage(config.stage)
+        if group is None:  # ranks simulated by threads (logic tests: comm/in_process.py) shard over their world
+            group = simulated_group()
         parts = build_parts(module, self.optimizers, config, resolve_rank_layout(group, config), policy,
                             initial_values)
         self.units, self.comms, self.placement = parts.units, parts.comms, parts.placement
