@@ -44,7 +44,7 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     from zero_strategy.config import ZeroConfig
     from zero_strategy.core.init import record_construction
     from zero_strategy.core.step.engine import ZeroEngine
-    from zero_strategy.fabric.sharded_init import initial_values
+    from zero_strategy.initial_values import initial_values
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed multi-page buffers leave the heap
     torch.set_num_threads(1)

@@ -1,6 +1,7 @@
-"""Sharded construction and pretrained loading, shared by both adapters (the Trainer's imports it from here): what
-the construction hooks record, and which files fill which names when the model is sharded (see [Note: sharded
-construction] in core/init/materialize.py and [Note: the reset_parameters contract] in core/init/resets.py)."""
+"""An engine's initial values, shared by both adapters: the recorded construction, then which files fill which
+names when the model is sharded (pretrained files, or the slices an earlier engine left: see [Note: sharded
+construction] in core/init/materialize.py and [Note: the reset_parameters contract] in core/init/resets.py). It
+reads the checkpoint room's pretrained readers, so it sits above core/ and checkpoint/; no Lightning."""
 
 from __future__ import annotations
 
@@ -20,50 +21,10 @@ from zero_strategy.checkpoint.pretrained import (
 )
 from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import MetaInit, ZeroConfig
-from zero_strategy.core.init import Recording, materialize_module, record_construction, record_resets
-from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader, meta_names
+from zero_strategy.core.init import Recording, record_resets
+from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.release import ReleasedShards
-
-
-class ConstructionRecorder:
-    """Holds the recording of the model's construction between Lightning's construction hooks and ``setup``."""
-
-    def __init__(self) -> None:
-        self.recording: Recording | None = None
-
-    @contextmanager
-    def recording_on(self, device: torch.device) -> Generator[None, None, None]:
-        """Build on the meta device, recording how (values are replayed unit by unit when the model is sharded)."""
-        with record_construction(device=device) as recording:
-            yield
-        # A model built under Trainer.init_module(empty_init=True) meets configure_model's context too, and
-        # Lightning asks configure_model to return early when the model exists: an empty second recording keeps
-        # the first. Two recordings that both built tensors cannot be replayed as one construction.
-        if self.recording is None or not recording.made_tensors:
-            self.recording = self.recording or recording
-            return
-        if self.recording.made_tensors:
-            raise RuntimeError(
-                "the model was built on the meta device twice before it was sharded (under "
-                "init_module(empty_init=True) and again in configure_model): build it in one of the two, "
-                "e.g. return early from configure_model when the model exists."
-            )
-        self.recording = recording
-
-    def take(self) -> Recording | None:
-        recording, self.recording = self.recording, None
-        return recording
-
-    def materialize_if_nothing_to_shard(self, module: nn.Module) -> None:
-        """A build that made no parameter or buffer on the meta device (the network came from ``__init__``), only
-        other tensors (metrics built in ``configure_model``), has nothing to shard: those tensors get their values
-        now, on this rank, as an eager build on this rank gives them (see [Note: held tensors] in
-        core/init/held.py), before Lightning moves the module to its device."""
-        recording = self.recording
-        if recording is not None and recording.made_tensors and not meta_names(module):
-            self.recording = None
-            materialize_module(module, recording)
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The process group and the rank layout, as both adapters set them up (the Trainer's imports them from here)."""
+"""The process group and the rank layout, as both adapters set them up, and the collectives of Lightning's strategy
+API (``barrier``, ``broadcast``, ``reduce``/``all_reduce``), which both adapters' strategies delegate to here."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.comm.control import barrier as _barrier
+from zero_strategy.core.comm.control import barrier, broadcast_object  # the package's one barrier and broadcast
+from zero_strategy.core.comm.exit_teardown import destroy_process_group_at_exit
 from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
-from zero_strategy.fabric.exit_teardown import destroy_process_group_at_exit
+
+__all__ = ["barrier", "broadcast_object", "destroy_after_spawned_run", "init_process_group", "rank_layout",
+           "reduce_tensor"]
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
@@ -34,14 +43,18 @@ def rank_layout(config: ZeroConfig, world_size: int, processes_per_node: int) ->
     return build_rank_layout(config.shard_group_size, topology, config.hierarchical_params)
 
 
-def barrier() -> None:
+def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor | Any:
+    """Lightning's ``reduce``/``all_reduce`` of a strategy: a tensor reduced over the group as Lightning's DDP
+    strategies reduce it; anything else unchanged."""
+    if isinstance(tensor, Tensor):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor
+
+
+def destroy_after_spawned_run() -> None:
+    """A spawn-launched rank exits right after teardown: tear the process group down here, together, instead of
+    implicitly at interpreter exit, where a gloo rank was seen to abort now and then ("terminate called without an
+    active exception") after its work was done. Nothing without a process group."""
     if _distributed_is_initialized():
-        _barrier()  # with device_ids on NCCL
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not _distributed_is_initialized():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src, group=_group.WORLD)
-    return holder[0]
+        barrier()
+        dist.destroy_process_group()
