@@ -39,7 +39,8 @@ WITHOUT_LIGHTNING = textwrap.dedent(
 
     import zero_strategy
     assert not hasattr(zero_strategy, "ZeroStrategy")  # the adapters are skipped, the rest is there
-    rooms = ["zero_strategy.core", "zero_strategy.checkpoint", "zero_strategy.estimate"]
+    rooms = ["zero_strategy.core", "zero_strategy.checkpoint", "zero_strategy.estimate",
+             "zero_strategy.deepspeed_import"]
     for room in rooms:
         package = importlib.import_module(room)
         for info in pkgutil.walk_packages(package.__path__, room + "."):

@@ -49,7 +49,7 @@ from zero_strategy.core.runtime.activation_checkpointing import (
 )
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
-from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
+from zero_strategy.deepspeed_import import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.initial_values import initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
