@@ -57,7 +57,7 @@ def take_back_released(
 ) -> InitialValues:
     """A module whose parameters a previous engine left sharded (fit, then test on the same Trainer) gets them
     back from that engine's slices, each rank reading its own (see [Note: releasing a model built sharded] in
-    core/release.py). Weights named by ``values.pretrained`` still win; a recording that built no tensor (the
+    core/step/release.py). Weights named by ``values.pretrained`` still win; a recording that built no tensor (the
     model existed, ``configure_model`` returned early, perhaps after reseeding) is dropped."""
     if released is None:
         return values

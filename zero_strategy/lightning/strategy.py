@@ -160,7 +160,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
         # Lightning's wrapper subclasses the optimizer's class, so `wrapper.zero_grad()` would run the class's
         # method and miss the engine's instance-level zero_grad (see [Note: zero_grad reaches the module's
-        # gradients] in core/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
+        # gradients] in core/step/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
         for wrapper in self._lightning_optimizers:
             wrapper.zero_grad = partial(_zero_grad_of, wrapper.optimizer)  # type: ignore[attr-defined]
 

@@ -76,8 +76,8 @@ class Comm(ABC):
     def reductions_in_flight(self) -> int | None:
         """How many reduce-scatters a caller may keep in flight before waiting for the oldest: each one holds its
         flattened input in private memory until it lands, so a backward overlapping its reductions keeps this
-        bound (see [Note: overlapped reduction] in runtime/hooks.py). None: no bound (the transport owns its
-        buffers and waits inside when they are all in use)."""
+        bound (see [Note: overlapped reduction] in runtime/backward_reductions.py). None: no bound (the transport owns
+        its buffers and waits inside when they are all in use)."""
         return 1
 
     # ------------------------------------------------------------------------------------ small exchanges

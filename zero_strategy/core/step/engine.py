@@ -107,7 +107,7 @@ class ZeroEngine:
         """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``.
         ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype.
         ``initial_values``: how a meta-built module gets its values, and pretrained weights to load (see
-        [Note: sharded construction] in materialize.py).
+        [Note: sharded construction] in core/init/materialize.py).
         ``group``: the process group to shard over, or a :class:`RankLayout` (nodes, shard and replica groups)."""
         self.module = module
         self.optimizers = list(optimizers)
@@ -143,7 +143,8 @@ class ZeroEngine:
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
-        # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict ...])
+        # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict into
+        # the shards] in state_dict_loads.py)
         self.state_dict_loads = StateDictLoads(module, self.flat_params, self.before_load, self.after_load)
         for unit in self.units:
             unit.release_gathered()

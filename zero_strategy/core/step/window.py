@@ -155,7 +155,7 @@ class StepWindows:
         for flat in flats:
             flat.grads.settle_host_copies()  # offload on a GPU: the host reads the gradients next
         replicas = self.comms.replicas
-        if replicas is not None and replicas.count > 1:  # hybrid sharding: once per step (see [Note: hybrid ...])
+        if replicas is not None and replicas.count > 1:  # hybrid sharding: once per step (see [Note: hybrid sharding])
             for flat in flats:
                 average_over_replicas(flat, replicas)
 
