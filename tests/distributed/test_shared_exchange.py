@@ -15,8 +15,8 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.comm import plan as comm_plan
 from zero_strategy.core.comm import shm_exchange
+from zero_strategy.core.comm.engine_comms import network_comm
 from zero_strategy.core.comm.log import CommunicationLog
-from zero_strategy.core.comm.plan import network_comm
 from zero_strategy.core.comm.shared_memory import SharedMemoryComm
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.step.engine import ZeroEngine

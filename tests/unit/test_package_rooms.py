@@ -216,7 +216,8 @@ TRANSPORTS = {
 @pytest.mark.timeout(30)
 def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
     """Everything outside core/comm calls the Comm it was handed: no module imports a transport (the simulated
-    one is the public test harness's, zero_strategy.testing), and only the comm plan reads ``collectives``."""
+    one is the public test harness's, zero_strategy.testing), and only EngineComms (core/comm/engine_comms.py)
+    reads ``collectives``."""
     graph = _import_graph()
     outside = {module: targets & TRANSPORTS for module, targets in graph.items()
                if not module.startswith("zero_strategy.core.comm") and module != "zero_strategy.testing"}
@@ -232,7 +233,7 @@ def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
         _module_name(path) for path in PACKAGE.rglob("*.py")
         if re.search(r"\.collectives\b", path.read_text()) and _module_name(path) not in predicts
     )
-    assert readers == ["zero_strategy.core.comm.plan"], readers
+    assert readers == ["zero_strategy.core.comm.engine_comms"], readers
 
 
 @pytest.mark.timeout(30)

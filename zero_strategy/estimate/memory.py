@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
-from zero_strategy.core.comm.plan import ARENA_CAP_BYTES, ARENAS
+from zero_strategy.core.comm.engine_comms import ARENA_CAP_BYTES, ARENAS
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import COMPUTE_DTYPES, normalize_precision
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units

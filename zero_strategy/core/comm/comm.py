@@ -1,9 +1,9 @@
 """The Comm interface: how one process group moves bytes. Callers hold a Comm and never ask which transport it is.
 
 The implementations (one rank, the backend's own collectives, point-to-point exchanges, shared memory on one host)
-and the decorators (CUDA side streams, the divergence watch) live beside this file; ``plan.py`` picks them once per
-group. Every method starts an exchange and returns one :class:`Work`; every implementation counts what it moves
-where it moves it (see [Note: counting bytes where they move] in log.py).
+and the decorators (CUDA side streams, the divergence watch) live beside this file; ``engine_comms.py`` picks them
+once per group. Every method starts an exchange and returns one :class:`Work`; every implementation counts what it
+moves where it moves it (see [Note: counting bytes where they move] in log.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
 single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
 memory); the README's benchmark table has the figures.
 
-What stays point-to-point (comm/plan.py decides): a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would
+What stays point-to-point (comm/engine_comms.py decides): a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would
 cost ``ARENAS`` copies of it per rank for the whole run), stage 3 when its gathers go through the network (the
 divergence watch of watch.py must see every wait), hybrid replicas' all-reduce, and every rank not on one host.
 """

@@ -11,7 +11,7 @@ Communication plan of one optimizer step (Ψ parameters, N ranks):
   gather the node-local secondary copies (see core/flat/secondary.py).
 - hybrid sharding (``shard_group_size``): the above inside each shard group, then one all-reduce of the
   accumulated gradient slice over the replicas per step (see [Note: hybrid sharding] in plan/topology.py).
-Global-norm clipping adds one scalar all-reduce. How the bytes travel is the comm plan's (core/comm/plan.py).
+Global-norm clipping adds one scalar all-reduce. How the bytes travel is EngineComms' (core/comm/engine_comms.py).
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class ZeroEngine:
         self.units, self.comms, self.placement = parts.units, parts.comms, parts.placement
         self.built_sharded, self.replay_stats = parts.built_sharded, parts.replay_stats
         replicas = self.comms.replicas
-        self.ctx = RankPlace(self.comms.group.rank, self.comms.group.size,
-                             replicas.index if replicas else 0, replicas.count if replicas else 1)
+        self.place = RankPlace(self.comms.group.rank, self.comms.group.size,
+                               replicas.index if replicas else 0, replicas.count if replicas else 1)
         # stop the comms' threads with the engine even if it is never released
         self._closer = weakref.finalize(self, self.comms.close)
         self.windows = StepWindows(self.units, self.stage, self.comms, self.placement, config.nvme_chunk_numel,
@@ -155,6 +155,11 @@ class ZeroEngine:
     def comm_log(self) -> CommunicationLog:
         """What this engine's exchanges moved (see [Note: counting bytes where they move] in comm/log.py)."""
         return self.comms.log
+
+    @property
+    def ctx(self) -> RankPlace:
+        """The old name of :attr:`place` (zero_strategy/checkpoint/ still reads it)."""
+        return self.place
 
     @property
     def flat_params(self) -> list[FlatParam]:
