@@ -12,7 +12,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ModuleReplay, materialize_module, record_construction
 
 SEED = 77
 CLASSES = 5
@@ -110,7 +110,7 @@ def test_a_held_view_of_a_parameter_is_a_clear_error() -> None:
     with record_construction() as recording:
         model = ViewOfAParameter()
     with pytest.raises(DeferredInitError, match=r"first_row is a view of parameter lin.weight.*buffer"):
-        ReplayPlan(recording, model)
+        ModuleReplay(recording, model)
 
 
 def test_meta_tensors_made_before_the_build_stay_meta() -> None:

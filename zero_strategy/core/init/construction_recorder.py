@@ -1,4 +1,4 @@
-"""The recording of a model's construction, held between the construction hooks (the Trainer's ``configure_model``
+"""The recording of a model's construction, kept between the construction hooks (the Trainer's ``configure_model``
 / ``init_module(empty_init=True)``, Fabric's ``init_module``) and the engine that replays it when the model is
 sharded (see [Note: sharded construction] in core/init/materialize.py). Both adapters hold one."""
 
@@ -46,8 +46,8 @@ class ConstructionRecorder:
     def materialize_if_nothing_to_shard(self, module: nn.Module) -> None:
         """A build that made no parameter or buffer on the meta device (the network came from ``__init__``), only
         other tensors (metrics built in ``configure_model``), has nothing to shard: those tensors get their values
-        now, on this rank, as an eager build on this rank gives them (see [Note: held tensors] in
-        core/init/held.py), before Lightning moves the module to its device."""
+        now, on this rank, as an eager build on this rank gives them (see [Note: attribute tensors] in
+        core/init/attribute_tensors.py), before Lightning moves the module to its device."""
         recording = self.recording
         if recording is not None and recording.made_tensors and not meta_names(module):
             self.recording = None

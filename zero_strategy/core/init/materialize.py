@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.init import FinalTensor, Recording, ReplayPlan, ReplayStats
+from zero_strategy.core.init import FinalTensor, ModuleReplay, Recording, ReplayStats
 
 
 class WeightsReader(Protocol):
@@ -85,13 +85,13 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
     return values.device or values.recording.device
 
 
-def plan_replay(module: nn.Module, recording: Recording) -> ReplayPlan:
-    """Plan the replay while the module's tensors are still meta (the FlatParams then give them storage)."""
-    return ReplayPlan(recording, module)
+def prepare_replay(module: nn.Module, recording: Recording) -> ModuleReplay:
+    """Prepare the replay while the module's tensors are still meta (the FlatParams then give them storage)."""
+    return ModuleReplay(recording, module)
 
 
 def replay_construction(
-    module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, everyone: Comm
+    module: nn.Module, flats: Iterable[FlatParam], plan: ModuleReplay, everyone: Comm
 ) -> ReplayStats:
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers (and the
     tensors the module holds besides them). Collective (rank 0's generator states are adopted first)."""

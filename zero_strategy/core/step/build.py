@@ -22,7 +22,7 @@ from zero_strategy.core.init.materialize import (
     InitialValues,
     check_materializable,
     load_pretrained,
-    plan_replay,
+    prepare_replay,
     replay_construction,
 )
 from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
@@ -61,7 +61,7 @@ def build_parts(
     materialize_on = check_materializable(module, initial_values)
     recording = initial_values.recording if initial_values is not None else None
     # planned while the tensors are still meta: building the FlatParams gives them storage
-    replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
+    replay = prepare_replay(module, recording) if recording is not None and materialize_on is not None else None
     stage = config.zero_stage
     unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
     plans = plan_units(module, unit_paths)
