@@ -41,15 +41,15 @@ def initial_values(
     if recording is not None and recording.made_tensors and config.meta_init is MetaInit.reset_parameters:
         record_resets(module, recording)  # see [Note: the reset_parameters contract]
     with ExitStack() as files:
-        plan: dict[str, tuple[WeightsReader, str]] = {}
+        sources: dict[str, tuple[WeightsReader, str]] = {}
         for prefix, load in loads:
             target = module.get_submodule(prefix) if prefix else module
             source: PretrainedSource = files.enter_context(open_pretrained(load.path, load.key_map))
             match = match_keys(source, expected_shapes(target), load.strict, alias_groups(target), str(source.path))
             for name, source_name in match.plan.items():
-                plan[f"{prefix}.{name}" if prefix else name] = (source, source_name)
+                sources[f"{prefix}.{name}" if prefix else name] = (source, source_name)
         forget_pending(module)
-        yield InitialValues(recording, Pretrained(plan) if plan else None, device)
+        yield InitialValues(recording, Pretrained(sources) if sources else None, device)
 
 
 def take_back_released(
@@ -61,12 +61,12 @@ def take_back_released(
     model existed, ``configure_model`` returned early, perhaps after reseeding) is dropped."""
     if released is None:
         return values
-    plan: dict[str, tuple[WeightsReader, str]] = dict(
+    sources: dict[str, tuple[WeightsReader, str]] = dict(
         ReleasedShards(released.flat_params).plan_for(module)
     )
-    if not plan:
+    if not sources:
         return values
     recording = values.recording if values.recording is not None and values.recording.made_tensors else None
     if values.pretrained is not None:
-        plan.update(values.pretrained.plan)
-    return replace(values, recording=recording, pretrained=Pretrained(plan), device=values.device or device)
+        sources.update(values.pretrained.sources)
+    return replace(values, recording=recording, pretrained=Pretrained(sources), device=values.device or device)

@@ -38,10 +38,10 @@ class WeightsReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Pretrained:
-    """Weights to load: ``plan`` maps a name of the engine's module (state_dict key) to the reader that holds
+    """Weights to load: ``sources`` maps a name of the engine's module (state_dict key) to the reader that holds
     it and the name it has there (several files may fill different submodules)."""
 
-    plan: Mapping[str, tuple[WeightsReader, str]]
+    sources: Mapping[str, tuple[WeightsReader, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
         return None
     if values is not None and values.recording is None and values.pretrained is not None:
         # nothing was built here: every meta tensor is read (a released engine's slices, see core/step/release.py)
-        missing = [name for name in names if name not in values.pretrained.plan]
+        missing = [name for name in names if name not in values.pretrained.sources]
         if not missing and values.device is not None:
             return values.device
         names = missing or names
@@ -91,11 +91,11 @@ def prepare_replay(module: nn.Module, recording: Recording) -> ModuleReplay:
 
 
 def replay_construction(
-    module: nn.Module, flats: Iterable[FlatParam], plan: ModuleReplay, everyone: Comm
+    module: nn.Module, flats: Iterable[FlatParam], replay: ModuleReplay, everyone: Comm
 ) -> ReplayStats:
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers (and the
     tensors the module holds besides them). Collective (rank 0's generator states are adopted first)."""
-    recording = plan.recording
+    recording = replay.recording
     # every rank of the run (all replicas) replays from global rank 0's generator states
     recording.generators.adopt(everyone.broadcast_object(recording.generators.states(), 0, "generator states"))
     owner: dict[str, tuple[FlatParam, int]] = {}
@@ -111,7 +111,7 @@ def replay_construction(
         for name in final.names:  # a buffer: every rank keeps it whole (tied names and views stay one storage)
             _set_buffer(module, name, value)
 
-    stats = plan.replay(on_final)
+    stats = replay.replay(on_final)
     left = meta_names(module)
     if left:
         raise UnmaterializedError(
@@ -129,14 +129,14 @@ def load_pretrained(module: nn.Module, flats: Iterable[FlatParam], pretrained: P
         for flat in flats:
             positions = {name: index for index, name in enumerate(flat.names)}
             for overlap in flat.layout.overlaps(rank):
-                if overlap.name not in pretrained.plan:  # strict=False: left as initialized
+                if overlap.name not in pretrained.sources:  # strict=False: left as initialized
                     continue
-                reader, source = pretrained.plan[overlap.name]
+                reader, source = pretrained.sources[overlap.name]
                 values = reader.read(source, overlap.param_start, overlap.numel, dtype=flat.shard.dtype)
                 flat.write_shard_range(positions[overlap.name], overlap.param_start, values)
         for name, buffer in module.named_buffers():
-            if name in pretrained.plan:
-                reader, source = pretrained.plan[name]
+            if name in pretrained.sources:
+                reader, source = pretrained.sources[name]
                 buffer.copy_(reader.read(source, dtype=buffer.dtype).view_as(buffer))
 
 
