@@ -21,9 +21,14 @@ from __future__ import annotations
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.precision import Precision
 
-from zero_strategy.adapter_plumbing.precision_takeover import connector_on_stack, take_over_once
+from zero_strategy.adapter_plumbing.precision_takeover import CHOOSER, connector_on_stack, take_over_once
 from zero_strategy.core.plan.precision_names import normalize_precision
 from zero_strategy.fabric.precision import ZeroFabricPrecision, to_zero_fabric_precision
+
+# CHOOSER, connector_on_stack and take_over_once live in adapter_plumbing/precision_takeover.py now; re-exported for
+# the old import path
+__all__ = ["CHOOSER", "ZeroFabricPrecisionChoice", "choose_zero_fabric_precision", "connector_on_stack",
+           "take_over_once"]
 
 
 def choose_zero_fabric_precision(connector: _Connector, own: ZeroFabricPrecision | None) -> ZeroFabricPrecision:
