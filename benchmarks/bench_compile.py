@@ -2,10 +2,11 @@
 the table that compares compiled and eager methods measured in the same run.
 
 Each block is compiled with ``block.compile()`` after the method is set up, the way the README recommends for ZeRO
-(the stage-3 gather hooks stay outside the compiled code, see [Note: torch.compile] in zero_strategy/core/hooks.py).
-DDP gets the same compiled blocks, so the rows compare the same compiled code; ``ddp_compile_whole`` compiles the
-whole model instead (``torch.compile(ddp_model)``, DDP's usual way: one graph split at its buckets), for DDP at its
-best. The first warm-up step compiles; the timed steps must compile nothing (the table shows it).
+(the stage-3 gather hooks stay outside the compiled code, see [Note: torch.compile] in
+zero_strategy/core/runtime/compile_check.py). DDP gets the same compiled blocks, so the rows compare the same
+compiled code; ``ddp_compile_whole`` compiles the whole model instead (``torch.compile(ddp_model)``, DDP's usual
+way: one graph split at its buckets), for DDP at its best. The first warm-up step compiles; the timed steps must
+compile nothing (the table shows it).
 """
 
 from __future__ import annotations

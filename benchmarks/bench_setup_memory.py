@@ -44,7 +44,7 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     from zero_strategy.config import ZeroConfig
     from zero_strategy.core.init import record_construction
     from zero_strategy.core.step.engine import ZeroEngine
-    from zero_strategy.fabric.sharded_init import initial_values
+    from zero_strategy.initial_values import initial_values
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed multi-page buffers leave the heap
     torch.set_num_threads(1)
@@ -63,7 +63,7 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     if weights_file is not None:  # every loaded slice equals the file's element range, bit for bit
         with safe_open(weights_file, framework="pt") as source:
             for flat in engine.flat_params:
-                for piece in flat.layout.overlaps(engine.ctx.rank):
+                for piece in flat.layout.overlaps(engine.place.rank):
                     expected = source.get_slice(piece.name)[:].reshape(-1)
                     expected = expected[piece.param_start : piece.param_start + piece.numel]
                     got = flat.shard[piece.shard_start : piece.shard_start + piece.numel]

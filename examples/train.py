@@ -89,7 +89,7 @@ def build_strategy(
     """``ZeroStrategy(stage=..., start_method=..., **options)`` from a validated config, or from a DeepSpeed
     config with ``strategy=deepspeed strategy.config=ds_config.json``."""
     if name.is_deepspeed:
-        from zero_strategy.deepspeed_config import DeepSpeedConfigError
+        from zero_strategy.deepspeed_import import DeepSpeedConfigError
 
         try:
             return zero_strategy.ZeroStrategy.from_deepspeed_config(

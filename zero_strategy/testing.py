@@ -224,8 +224,8 @@ def run_in_process(fn: Callable[..., Any], world_size: int, *args: Any, timeout_
     group: an engine built inside ``fn`` without one shards over the simulated world; see
     zero_strategy/core/comm/in_process.py for what this can and cannot simulate). Returns the per-rank results in
     rank order; the first rank's exception is raised."""
+    from zero_strategy.core.comm.group import simulated_rank
     from zero_strategy.core.comm.in_process import InProcessWorld
-    from zero_strategy.core.plan.topology import simulated_rank
 
     world = InProcessWorld(world_size, timeout_s=timeout_s)
     results: list[Any] = [None] * world_size

@@ -83,7 +83,7 @@ def _pretrained_worker(rank: int, world: int, path: str) -> dict:
     from ckpt_workers import full_state
 
     from zero_strategy.core.step.engine import ZeroEngine
-    from zero_strategy.fabric.sharded_init import initial_values
+    from zero_strategy.initial_values import initial_values
 
     model = make_model(seed=7)
     config = ZeroConfig(stage=3, min_unit_numel=64, pretrained=path)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.init import record_construction
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.fabric.sharded_init import initial_values
+from zero_strategy.initial_values import initial_values
 from zero_strategy.testing import run_ranks
 
 READ_WIDTH, READ_LAYERS = 1024, 4  # 16 MiB of fp32 weights; each Linear is one unit

@@ -124,7 +124,7 @@ def hybrid_worker(rank: int, world: int) -> dict:
     out: dict = {"ddp": _ddp_run(rank, world)}
     for stage in (1, 2, 3):
         states, norms, engine = _zero_run(rank, world, ZeroConfig(stage=stage, shard_group_size="node"), ACCUM, STEPS)
-        out[stage] = (states, norms, engine.ctx.world_size, engine.ctx.replica_count)
+        out[stage] = (states, norms, engine.place.world_size, engine.place.replica_count)
         # the replica all-reduce over the steps measured (1..STEPS-1), against one fp32 slice per FlatParam and step
         kinds, calls = engine.comm_log.bytes_by_kind, engine.comm_log.calls_by_kind
         slices = [sum(piece.numel() for piece in flat.master_pieces) for flat in engine.flat_params]

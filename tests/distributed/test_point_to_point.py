@@ -10,9 +10,9 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.comm.comm import ReduceOp
+from zero_strategy.core.comm.engine_comms import network_comm
 from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.log import CommunicationLog
-from zero_strategy.core.comm.plan import network_comm
 from zero_strategy.core.comm.point_to_point import PointToPointComm
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks

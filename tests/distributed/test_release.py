@@ -1,6 +1,6 @@
 """Releasing the engine of a model built sharded at stage 3 leaves its parameters sharded (no gather: the whole
 model is never resident), and a later engine over the same module takes the weights back from the released slices
-— bit for bit, each rank reading its own (see [Note: releasing a model built sharded] in core/release.py)."""
+— bit for bit, each rank reading its own (see [Note: releasing a model built sharded] in core/step/release.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from helpers.models import clone_state, lm_loss, make_batches, rank_slice
 from helpers.storage_meter import StoragePeakMeter
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.init import ReplayPlan, record_construction
+from zero_strategy.core.init import ModuleReplay, record_construction
 from zero_strategy.core.init.materialize import InitialValues, UnmaterializedError
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
@@ -38,15 +38,15 @@ def _held(model) -> dict:
 def _meter_replays(peaks: list[int]) -> None:
     """From now on in this (forked) rank, every replay runs under a StoragePeakMeter, which appends the peak bytes
     of the storages created while it ran — the replay's own and what the FlatParams allocate to take each value."""
-    replay = ReplayPlan.replay
+    replay = ModuleReplay.replay
 
-    def metered(self: ReplayPlan, on_final: Any) -> Any:
+    def metered(self: ModuleReplay, on_final: Any) -> Any:
         with StoragePeakMeter() as meter:
             stats = replay(self, on_final)
         peaks.append(meter.peak_bytes)
         return stats
 
-    ReplayPlan.replay = metered  # type: ignore[method-assign]
+    ModuleReplay.replay = metered  # type: ignore[method-assign]
 
 
 def meta_worker(rank: int, world_size: int, stage: int) -> dict:

@@ -13,10 +13,9 @@ import torch
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.comm import plan as comm_plan
-from zero_strategy.core.comm import shm_exchange
+from zero_strategy.core.comm import engine_comms, shm_exchange
+from zero_strategy.core.comm.engine_comms import network_comm
 from zero_strategy.core.comm.log import CommunicationLog
-from zero_strategy.core.comm.plan import network_comm
 from zero_strategy.core.comm.shared_memory import SharedMemoryComm
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.step.engine import ZeroEngine
@@ -32,7 +31,7 @@ def _shared(engine: ZeroEngine) -> SharedMemoryComm | None:
 
 def train_worker(rank, world_size, stage, collectives, accum, bf16, arena_cap):
     if arena_cap is not None:  # FlatParams above the cap reduce point-to-point, the others through shared memory
-        comm_plan.ARENA_CAP_BYTES = arena_cap
+        engine_comms.ARENA_CAP_BYTES = arena_cap
     model = make_model(n_blocks=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None

@@ -14,8 +14,7 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from helpers.storage import mapped_pages
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.comm import host_segments
-from zero_strategy.core.comm import plan as comm_plan
+from zero_strategy.core.comm import engine_comms, host_segments
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
@@ -29,7 +28,7 @@ def _our_files(rank: int | None = None) -> list[str]:
 
 def train_worker(rank, world_size, collectives, slow_rank, sabotage):
     if sabotage == "no_room":
-        comm_plan.free_bytes = lambda path=host_segments.SHM_DIR: 0
+        engine_comms.free_bytes = lambda path=host_segments.SHM_DIR: 0
     if sabotage == "full_at_allocation" and rank == 1:  # /dev/shm filled up after the space check
         def no_space(descriptor, offset, length):
             raise OSError(28, "No space left on device")

@@ -166,8 +166,8 @@ def test_bytes_per_step(stage, world_size, accum):
         kinds = {kind for _, snap in phases for kind, nbytes in snap.items() if nbytes}
         assert kinds <= {"all_gather", "reduce_scatter", "all_reduce"}, f"rank {rank}: unexpected collectives {kinds}"
         # the only all-reduces: which parameters some rank used this step, one byte per parameter tensor, at the step
-        # (see [Note: unused parameters] in unused.py) and, at stage 1, one per FlatParam (whether some rank still
-        # holds gradients for it on the module), and at stage 3 the divergence watch's check (two int64s)
+        # (see [Note: unused parameters] in core/step/unused.py) and, at stage 1, one per FlatParam (whether some
+        # rank still holds gradients for it on the module), and at stage 3 the divergence watch's check (two int64s)
         tensors = len(list(make_model(**MODEL).parameters()))
         held = N_UNITS if stage == 1 else 0  # one trainable FlatParam per unit
         assert _sum(phases, "prepare", "all_reduce") == steps * (tensors + held + (16 if stage == 3 else 0))

@@ -50,9 +50,9 @@ class Observe(pl.Callback):
         if isinstance(trainer.strategy, ZeroStrategy):
             engine = trainer.strategy.engine
             topology = engine.comm_log.topology
-            replicas = engine.ctx.replica_count
+            replicas = engine.place.replica_count
             self.seen.update(nodes=topology.num_nodes if topology else 1, links=dict(engine.comm_log.bytes_by_link),
-                             shard_world=engine.ctx.world_size, replicas=replicas,
+                             shard_world=engine.place.world_size, replicas=replicas,
                              param_group=engine.comms.secondary.size if engine.comms.secondary else None)
 
 

@@ -52,7 +52,7 @@ DESTROYED_BY_USER = REPORT_AT_EXIT + textwrap.dedent(
     """
     import sys
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
-    from zero_strategy.fabric.exit_teardown import destroy_process_group_at_exit
+    from zero_strategy.core.comm.exit_teardown import destroy_process_group_at_exit
 
     destroy_process_group_at_exit()
     destroy_process_group_at_exit()  # a second strategy in the same process registers nothing more

@@ -1,5 +1,5 @@
 """NvmeStore.populate maps exactly the pages under the views it is given, in one call (see [Note: populating a
-chunk before its step] in offload.py)."""
+chunk before its step] in core/flat/placement.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Set-up and training peaks per rank and the largest-model search (``zero_strategy.estimate.fit``), and their
 ``zero-estimate`` flags.
 
-Expected set-up bytes are derived by hand from what ``core/flat_param.py`` allocates (the reasoning is in each
+Expected set-up bytes are derived by hand from what ``core/flat/storage.py`` allocates (the reasoning is in each
 assertion's comment); the family's counts are checked against the benchmark's real module on the meta device; the
 search against a linear scan. The measured side (peak RSS of real runs) is ``benchmarks/bench_largest.py``, smoke-
 tested in test_bench_largest.py.

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_strategy.fabric.sharded_init import ConstructionRecorder
+from zero_strategy.core.init.construction_recorder import ConstructionRecorder
 
 CPU = torch.device("cpu")
 

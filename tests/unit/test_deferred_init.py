@@ -11,7 +11,7 @@ from helpers.meta_models import sinusoid_table
 from helpers.storage_meter import StoragePeakMeter
 from torch import Tensor, nn
 
-from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ModuleReplay, materialize_module, record_construction
 
 SEED = 1234
 
@@ -181,7 +181,7 @@ def test_ties_stay_one_parameter_and_names_share_a_key() -> None:
     torch.manual_seed(SEED)
     with record_construction() as recording:
         model = GPT()
-    plan = ReplayPlan(recording, model)
+    plan = ModuleReplay(recording, model)
     assert plan.key_of("wte.weight") == plan.key_of("lm_head.weight")
     materialize_module(model, recording)
     assert model.wte.weight is model.lm_head.weight
@@ -195,7 +195,7 @@ def test_replay_holds_a_few_tensors_not_the_model() -> None:
     torch.manual_seed(SEED)
     with record_construction() as recording:
         model = GPT(vocab=128, width=32, n_layer=6, context=32)
-    plan = ReplayPlan(recording, model)
+    plan = ModuleReplay(recording, model)
     largest = max(t.ref.nbytes for t in plan.tensors)
     total = sum(t.ref.nbytes for t in plan.tensors)
     assert total >= 10 * largest
@@ -265,7 +265,7 @@ def test_a_second_replay_gives_the_same_values(build: Callable[[], nn.Module]) -
     torch.manual_seed(SEED)
     with record_construction() as recording:
         model = build()
-    plan = ReplayPlan(recording, model)
+    plan = ModuleReplay(recording, model)
     first: dict[int, Tensor] = {}
     second: dict[int, Tensor] = {}
     plan.replay(lambda final, value: first.__setitem__(final.key, value))

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 
-from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ModuleReplay, materialize_module, record_construction
 
 SEED = 1234
 # a generator state taken before (outside) any build: setting it inside the build is a value, not a position
@@ -177,7 +177,7 @@ class SeedsFromTheClock(nn.Module):
 def test_a_nondeterministic_seed_replays_the_recorded_state() -> None:
     with record_construction() as recording:
         model = SeedsFromTheClock()
-    plan = ReplayPlan(recording, model)
+    plan = ModuleReplay(recording, model)
     first: dict[int, Tensor] = {}
     second: dict[int, Tensor] = {}
     plan.replay(lambda final, value: first.__setitem__(final.key, value))

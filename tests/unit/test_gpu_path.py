@@ -20,10 +20,10 @@ from torch import nn
 from zero_strategy.checkpoint import load as ckpt_load
 from zero_strategy.checkpoint import rng
 from zero_strategy.core.comm import backend, control, group, native
+from zero_strategy.core.comm.engine_comms import watch_applies
 from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.native import NativeComm
-from zero_strategy.core.comm.plan import watch_applies
 from zero_strategy.core.comm.watch import WatchState
 from zero_strategy.core.comm.watched import WatchedComm
 from zero_strategy.core.comm.work import Work

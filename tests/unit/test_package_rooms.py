@@ -39,13 +39,15 @@ WITHOUT_LIGHTNING = textwrap.dedent(
 
     import zero_strategy
     assert not hasattr(zero_strategy, "ZeroStrategy")  # the adapters are skipped, the rest is there
-    rooms = ["zero_strategy.core", "zero_strategy.checkpoint", "zero_strategy.estimate"]
+    rooms = ["zero_strategy.core", "zero_strategy.checkpoint", "zero_strategy.estimate",
+             "zero_strategy.deepspeed_import"]
     for room in rooms:
         package = importlib.import_module(room)
         for info in pkgutil.walk_packages(package.__path__, room + "."):
             if not info.name.endswith("__main__"):
                 importlib.import_module(info.name)
-    for module in ("zero_strategy.deepspeed_config", "zero_strategy.names", "zero_strategy.config"):
+    for module in ("zero_strategy.deepspeed_config", "zero_strategy.names", "zero_strategy.config",
+                   "zero_strategy.initial_values"):
         importlib.import_module(module)
 
     # zero-to-fp32 on a real one-rank stage-3 checkpoint
@@ -177,6 +179,10 @@ def test_no_import_cycles_and_no_arrow_pointing_up():
             assert outside == set(), f"{module} imports {outside}"
         if not module.startswith("zero_strategy.lightning") and module != "zero_strategy":
             assert not {t for t in targets if t.startswith("zero_strategy.lightning")}, module
+        # nothing below the adapters reaches up into them or their plumbing
+        adapters = ("zero_strategy.lightning", "zero_strategy.fabric", "zero_strategy.adapter_plumbing")
+        if not module.startswith(adapters) and module != "zero_strategy":
+            assert not {t for t in targets if t.startswith(adapters)}, module
 
 
 CORE_ROOMS = ["plan", "comm", "flat", "init", "runtime", "step"]  # each imports only the rooms before it
@@ -210,7 +216,8 @@ TRANSPORTS = {
 @pytest.mark.timeout(30)
 def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
     """Everything outside core/comm calls the Comm it was handed: no module imports a transport (the simulated
-    one is the public test harness's, zero_strategy.testing), and only the comm plan reads ``collectives``."""
+    one is the public test harness's, zero_strategy.testing), and only EngineComms (core/comm/engine_comms.py)
+    reads ``collectives``."""
     graph = _import_graph()
     outside = {module: targets & TRANSPORTS for module, targets in graph.items()
                if not module.startswith("zero_strategy.core.comm") and module != "zero_strategy.testing"}
@@ -226,7 +233,7 @@ def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
         _module_name(path) for path in PACKAGE.rglob("*.py")
         if re.search(r"\.collectives\b", path.read_text()) and _module_name(path) not in predicts
     )
-    assert readers == ["zero_strategy.core.comm.plan"], readers
+    assert readers == ["zero_strategy.core.comm.engine_comms"], readers
 
 
 @pytest.mark.timeout(30)
@@ -241,6 +248,18 @@ def test_core_files_and_classes_stay_small():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                 too_long[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_long == {}
+
+
+@pytest.mark.timeout(30)
+def test_no_package_file_over_350_lines():
+    """Every package file, not only the core's, stays within 350 lines (split by responsibility, never squeeze).
+    checkpoint/ and estimate/ are being split on other branches of issue 33: drop them from ``pending`` then."""
+    pending = ("checkpoint", "estimate")
+    too_long = {
+        str(path.relative_to(REPO)): lines for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] not in pending and (lines := path.read_text().count("\n")) > 350
+    }
     assert too_long == {}
 
 

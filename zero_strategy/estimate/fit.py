@@ -1,9 +1,9 @@
 """Set-up and training peaks per rank, and the largest model a machine trains: ``zero-estimate --largest``.
 
 Set-up is the engine's constructor (building the FlatParams, then giving them values); training is the steady
-state that :mod:`.memory` itemizes. The set-up arithmetic mirrors ``core/flat_param.py`` (``_build_buffers``) and
-``core/init/materialize.py``; Ψ = parameters, N = ranks, p = the parameters' bytes (fp32: 4), c = compute bytes, U = the
-largest unit:
+state that :mod:`.memory` itemizes. The set-up arithmetic mirrors ``core/step/build.py`` (a ``FlatStorage``
+per FlatParam) and ``core/init/materialize.py``; Ψ = parameters, N = ranks, p = the parameters' bytes (fp32: 4),
+c = compute bytes, U = the largest unit:
 
 - every run ends set-up holding the compute copies (stages 1/2: ``full``, cΨ; stage 3 built on meta: nothing) and
   the master slices pΨ/N (none at fp32 stages 1/2 without offload: they alias ``full``).

@@ -1,7 +1,8 @@
 """``zero-estimate``'s arithmetic: will a model fit, and with which ZeRO stage / offload? Per-rank bytes, before a run.
 
-The arithmetic mirrors what the core allocates (``core/flat_param.py``, ``core/hooks.py``, ``core/offload.py``),
-not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ranks, c = compute-dtype bytes:
+The arithmetic mirrors what the core allocates (``core/flat/storage.py``, ``core/runtime/hooks.py``,
+``core/flat/placement.py``), not the ZeRO paper; where the two differ the code wins. Ψ = parameters, N = ranks,
+c = compute-dtype bytes:
 
 - parameters (compute copies): stages 1/2 keep the whole padded flat buffer, cΨ. Stage 3 keeps nothing at rest;
   during forward/backward the root unit (embeddings, head: whatever is in no ``ModuleList`` child) stays whole,
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
-from zero_strategy.core.comm.plan import ARENA_CAP_BYTES, ARENAS
+from zero_strategy.core.comm.engine_comms import ARENA_CAP_BYTES, ARENAS
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import COMPUTE_DTYPES, normalize_precision
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units

@@ -2,12 +2,12 @@
 ZeRO, hybrid sharding (``shard_group_size``) and hierarchical stage 3 (``hierarchical_params``), before any run.
 
 The model is the engine's point-to-point plan, counted for rank 0 of a layout of ``nodes × per_node`` ranks placed
-node by node (see core/transport/topology.py): an exchange of a B-byte buffer over a group of n ranks sends B/n to
+node by node (see core/plan/topology.py): an exchange of a B-byte buffer over a group of n ranks sends B/n to
 every other member (all-gather, reduce-scatter); the replica all-reduce of a slice S over R replicas sends
 2·S/R to each of the R-1 others. Per step: stages 1/2 gather Ψ and reduce Ψ once (stage 2: once per micro-step);
 stage 3 gathers twice per micro-step (forward and backward: an upper bound, the engine keeps the root and last unit
 whole between them) and reduces once per micro-step; with replicas the fp32 gradient slice accumulated over the
-step is then all-reduced over them once. Hierarchical stage 3 (``hierarchical_params``, see core/hierarchical.py)
+step is then all-reduced over them once. Hierarchical stage 3 (``hierarchical_params``, see core/flat/secondary.py)
 gathers once per step from the whole world and every other time (2m - 1 times, the same upper bound) inside its
 group of K ranks.
 Time = intra bytes / intra bandwidth + inter bytes / inter bandwidth (no overlap with compute).

@@ -1,3 +1,5 @@
 """The Lightning Fabric adapter: ZeroFabricStrategy and ZeroFabricPrecision, on the core and checkpoint code the
-Trainer adapter (zero_strategy/lightning/) uses too; helpers both adapters need live here and the Trainer's side
-imports them, as Lightning's own Trainer strategies import theirs from its Fabric side."""
+Trainer adapter (zero_strategy/lightning/) uses too. What both adapters share is Lightning-facing plumbing in
+zero_strategy/adapter_plumbing/ (as Lightning's Trainer strategies import ``lightning.fabric.utilities``); the
+modules here named after it (distributed.py, process_per_device.py, strategy_options.py, forward_entry.py,
+exit_teardown.py, sharded_init.py) only keep old import paths working."""

@@ -5,9 +5,10 @@ Fabric's ``_Connector._check_and_init_precision`` turns ``Fabric(precision=...)`
 its own sharded strategies: for any other strategy "16-mixed" and "bf16-mixed" become torch AMP, and on a CPU
 "16-mixed" is first rewritten to "bf16-mixed" with a warning; the strategy only receives the result. The Trainer's
 connector does the same, and the remedy is the same (see [Note: taking over the precision choice of one Trainer]
-in lightning/precision_selection.py, which imports the mechanism from here): a strategy takes over that one
-decision of the one connector resolving it, by setting ``_check_and_init_precision`` on that connector *instance*
-for one call. The connector is found on the call stack at the two moments it runs our code before choosing:
+in lightning/precision_selection.py; both import the mechanism from adapter_plumbing/precision_takeover.py): a
+strategy takes over that one decision of the one connector resolving it, by setting ``_check_and_init_precision``
+on that connector *instance* for one call. The connector is found on the call stack at the two moments it runs
+our code before choosing:
 
 - ``Fabric(strategy="zero3")``: the registry constructs the strategy inside the connector;
 - ``Fabric(strategy=ZeroFabricStrategy(...))``: the connector reads the instance's ``_precision``.
@@ -17,45 +18,17 @@ for one call. The connector is found on the call stack at the two moments it run
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from types import FrameType
-from typing import Any, TypeVar
-
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.precision import Precision
 
+from zero_strategy.adapter_plumbing.precision_takeover import CHOOSER, connector_on_stack, take_over_once
 from zero_strategy.core.plan.precision_names import normalize_precision
 from zero_strategy.fabric.precision import ZeroFabricPrecision, to_zero_fabric_precision
 
-CHOOSER = "_check_and_init_precision"  # the connectors' method that turns the precision flag into a plugin
-Connector = TypeVar("Connector")
-
-
-def connector_on_stack(kind: type[Connector]) -> Connector | None:
-    """The innermost connector of class ``kind`` whose method is on the call stack, if any."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, kind):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-def take_over_once(connector: Any, strategy: object, choose: Callable[[], Any]) -> None:
-    """Make ``connector``'s next precision choice ``choose()`` if ``strategy`` is still the one it resolved, for
-    that one call (its own method again afterwards). Idempotent."""
-    if CHOOSER in vars(connector):
-        return
-
-    def check_and_init_precision() -> Any:
-        delattr(connector, CHOOSER)  # one call: from now on the connector is Lightning's own again
-        if connector.strategy is not strategy:  # another strategy was resolved after all: Lightning decides
-            return getattr(connector, CHOOSER)()
-        return choose()
-
-    setattr(connector, CHOOSER, check_and_init_precision)
+# CHOOSER, connector_on_stack and take_over_once live in adapter_plumbing/precision_takeover.py now; re-exported for
+# the old import path
+__all__ = ["CHOOSER", "ZeroFabricPrecisionChoice", "choose_zero_fabric_precision", "connector_on_stack",
+           "take_over_once"]
 
 
 def choose_zero_fabric_precision(connector: _Connector, own: ZeroFabricPrecision | None) -> ZeroFabricPrecision:

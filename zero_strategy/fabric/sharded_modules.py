@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from zero_strategy.adapter_plumbing.forward_entry import ForwardEntry
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import param_owners
-from zero_strategy.fabric.forward_entry import ForwardEntry
 from zero_strategy.fabric.optimizer_class import restore_class
-from zero_strategy.fabric.sharded_init import take_back_released
+from zero_strategy.initial_values import take_back_released
 
 Build = Callable[[nn.Module, ForwardEntry, list[Optimizer], InitialValues | None], ZeroEngine]
 

@@ -1,6 +1,6 @@
 """ZeroFabricStrategy: the Fabric adapter. It translates Fabric's calls into ZeroEngine calls on the same engine and
-checkpoint code as the Trainer's ZeroStrategy; no collectives here except Fabric's own reduce/gather/broadcast/
-barrier plumbing."""
+checkpoint code as the Trainer's ZeroStrategy; no collectives here: Fabric's own reduce/broadcast/barrier go to
+adapter_plumbing/process_group.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
@@ -20,9 +19,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessi
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
@@ -31,7 +28,19 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from zero_strategy.adapter_plumbing.forward_entry import ForwardEntry
+from zero_strategy.adapter_plumbing.process_group import (
+    barrier,
+    broadcast_object,
+    destroy_after_spawned_run,
+    init_process_group,
+    rank_layout,
+    reduce_tensor,
+)
+from zero_strategy.adapter_plumbing.process_per_device import ProcessPerDevice
+from zero_strategy.adapter_plumbing.strategy_options import strategy_options
 from zero_strategy.config import CheckpointFormat, ZeroConfig
+from zero_strategy.core.init.construction_recorder import ConstructionRecorder
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -40,14 +49,10 @@ from zero_strategy.core.runtime.activation_checkpointing import (
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.fabric.checkpoint import FabricCheckpoints
-from zero_strategy.fabric.distributed import barrier, broadcast_object, init_process_group, rank_layout
-from zero_strategy.fabric.forward_entry import ForwardEntry
 from zero_strategy.fabric.optimizer_class import forward_zero_grad
 from zero_strategy.fabric.precision_selection import ZeroFabricPrecisionChoice
-from zero_strategy.fabric.process_per_device import ProcessPerDevice
-from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values
 from zero_strategy.fabric.sharded_modules import ShardedModules
-from zero_strategy.fabric.strategy_options import strategy_options
+from zero_strategy.initial_values import initial_values
 from zero_strategy.names import STRATEGY_NAMES
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -212,9 +217,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
             remove_activation_checkpointing(item.module)
         self._modules.release_all()
         super().teardown()
-        if self._start_method != "popen" and _distributed_is_initialized():
-            barrier()  # a spawned rank exits next: the group is torn down together (see the Trainer's teardown)
-            dist.destroy_process_group()
+        if self._start_method != "popen":
+            destroy_after_spawned_run()
 
     # ------------------------------------------------------------------------------------- the step's parts
     @override
@@ -274,9 +278,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None,
                    reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return reduce_tensor(tensor, group, reduce_op)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

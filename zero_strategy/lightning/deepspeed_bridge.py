@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 
-from zero_strategy.deepspeed_config import DeepSpeedConfigError, DeepSpeedImport
+from zero_strategy.deepspeed_import import DeepSpeedConfigError, DeepSpeedImport
 
 
 def apply_clipping(imported: DeepSpeedImport, trainer: Trainer) -> None:

@@ -25,7 +25,7 @@ from typing_extensions import override
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.fabric.precision import PrecisionSettings, engine_device_type, skip_step_on_overflow
+from zero_strategy.core.step.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 
@@ -66,7 +66,7 @@ class ZeroPrecision(Precision):
         self._engine: ZeroEngine | None = None
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
         self._step_schedulers: set[int] = set()  # id() of the LR schedulers Lightning steps every step
-        self._held_module: LightningModule | None = None  # where hold_back_lr_schedulers was installed
+        self._schedules_module: LightningModule | None = None  # where hold_back_lr_schedulers was installed
 
     # --------------------------------------------------------------------------------------- what it is
     @property
@@ -167,7 +167,7 @@ class ZeroPrecision(Precision):
         lightning_module = next((m for m in model.modules() if isinstance(m, LightningModule)), None)
         if self.scaler is not None and lightning_module is not None:
             hold_back_lr_schedulers(lightning_module, self._holds_back)
-            self._held_module = lightning_module
+            self._schedules_module = lightning_module
         return model, optimizers, lr_schedulers
 
     def _holds_back(self, scheduler: Any) -> bool:
@@ -177,7 +177,7 @@ class ZeroPrecision(Precision):
 
     @override
     def teardown(self) -> None:
-        module, self._held_module = self._held_module, None
+        module, self._schedules_module = self._schedules_module, None
         if module is not None:
             release_lr_schedulers(module)
         super().teardown()

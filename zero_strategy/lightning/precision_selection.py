@@ -30,8 +30,8 @@ from collections.abc import Callable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
+from zero_strategy.adapter_plumbing.precision_takeover import connector_on_stack, take_over_once
 from zero_strategy.core.plan.precision_names import normalize_precision
-from zero_strategy.fabric.precision_selection import connector_on_stack, take_over_once
 from zero_strategy.lightning.precision import ZeroPrecision
 
 

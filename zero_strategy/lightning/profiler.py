@@ -26,15 +26,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from zero_strategy.core.comm.group import backend_name
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "replica_all_reduce", "barrier")
-LINKS = ("intra_node", "inter_node")  # bytes this rank sent, by where the receiver sits (core/transport/topology.py)
+LINKS = ("intra_node", "inter_node")  # bytes this rank sent, by where the receiver sits (core/plan/topology.py)
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ class CommunicationProfiler(Callback):
         optimizer = sum(r.optimizer_s for r in steps) / count
         topology = ""
         if trainer is not None:
-            backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+            backend = backend_name()
             topology = f"world size {trainer.world_size}, nodes {trainer.num_nodes}, backend {backend}; "
         lines = [
             f"ZeRO communication profile: {topology}{count} steps, mean step {wall * 1000:.1f} ms "

@@ -26,7 +26,7 @@ from lightning.pytorch import LightningModule
 _HOLDS_BACK: weakref.WeakKeyDictionary[LightningModule, Callable[[Any], bool]] = weakref.WeakKeyDictionary()
 
 
-def _lr_scheduler_step_unless_held(module: LightningModule, scheduler: Any, metric: Any = None) -> None:
+def _lr_scheduler_step_unless_skipped(module: LightningModule, scheduler: Any, metric: Any = None) -> None:
     holds_back = _HOLDS_BACK.get(module)
     if holds_back is not None and holds_back(scheduler):
         return  # its optimizer did not step: neither does the schedule
@@ -35,7 +35,7 @@ def _lr_scheduler_step_unless_held(module: LightningModule, scheduler: Any, metr
 
 def _installed(module: LightningModule) -> bool:
     attribute = vars(module).get("lr_scheduler_step")
-    return isinstance(attribute, partial) and attribute.func is _lr_scheduler_step_unless_held
+    return isinstance(attribute, partial) and attribute.func is _lr_scheduler_step_unless_skipped
 
 
 def hold_back_lr_schedulers(module: LightningModule, holds_back: Callable[[Any], bool]) -> None:
@@ -47,7 +47,7 @@ def hold_back_lr_schedulers(module: LightningModule, holds_back: Callable[[Any],
             "to hold the LR schedule back after skipped fp16 steps. Override the method in the class instead."
         )
     _HOLDS_BACK[module] = holds_back
-    step = partial(_lr_scheduler_step_unless_held, module)
+    step = partial(_lr_scheduler_step_unless_skipped, module)
     # Lightning's is_overridden() follows __wrapped__: it must keep seeing the class's hook, not ours.
     step.__wrapped__ = type(module).lr_scheduler_step  # type: ignore[attr-defined]
     vars(module)["lr_scheduler_step"] = step

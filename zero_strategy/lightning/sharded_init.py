@@ -1,6 +1,6 @@
 """The Trainer's side of sharded construction: what it says when parameters stay sharded after a run, and how
-Lightning's teardown leaves meta parameters alone. The construction recording and the initial values are shared
-with the Fabric adapter (zero_strategy/fabric/sharded_init.py)."""
+Lightning's teardown leaves meta parameters alone. The construction recording (core/init/construction_recorder.py)
+and the initial values (zero_strategy/initial_values.py) are shared with the Fabric adapter."""
 
 from __future__ import annotations
 

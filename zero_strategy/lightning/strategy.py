@@ -1,5 +1,5 @@
-"""ZeroStrategy: the Lightning adapter. It translates Lightning's hooks into ZeroEngine calls; no collectives here
-except Lightning's own object broadcast/barrier plumbing."""
+"""ZeroStrategy: the Lightning adapter. It translates Lightning's hooks into ZeroEngine calls; no collectives here:
+Lightning's own reduce/broadcast/barrier go to adapter_plumbing/process_group.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,9 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -32,7 +29,19 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from zero_strategy.adapter_plumbing.forward_entry import ForwardEntry
+from zero_strategy.adapter_plumbing.process_group import (
+    barrier,
+    broadcast_object,
+    destroy_after_spawned_run,
+    init_process_group,
+    rank_layout,
+    reduce_tensor,
+)
+from zero_strategy.adapter_plumbing.process_per_device import ProcessPerDevice
+from zero_strategy.adapter_plumbing.strategy_options import strategy_options
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.init.construction_recorder import ConstructionRecorder
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -40,12 +49,8 @@ from zero_strategy.core.runtime.activation_checkpointing import (
 )
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import MemoryReport, memory_report
-from zero_strategy.deepspeed_config import DeepSpeedImport, parse_deepspeed_config
-from zero_strategy.fabric.distributed import barrier, broadcast_object, init_process_group, rank_layout
-from zero_strategy.fabric.forward_entry import ForwardEntry
-from zero_strategy.fabric.process_per_device import ProcessPerDevice
-from zero_strategy.fabric.sharded_init import ConstructionRecorder, initial_values, take_back_released
-from zero_strategy.fabric.strategy_options import strategy_options
+from zero_strategy.deepspeed_import import DeepSpeedImport, parse_deepspeed_config
+from zero_strategy.initial_values import initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
 from zero_strategy.lightning.precision import ZeroPrecision
@@ -155,7 +160,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
         # Lightning's wrapper subclasses the optimizer's class, so `wrapper.zero_grad()` would run the class's
         # method and miss the engine's instance-level zero_grad (see [Note: zero_grad reaches the module's
-        # gradients] in core/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
+        # gradients] in core/step/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
         for wrapper in self._lightning_optimizers:
             wrapper.zero_grad = partial(_zero_grad_of, wrapper.optimizer)  # type: ignore[attr-defined]
 
@@ -278,12 +283,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         self.cluster_environment.teardown()
         with meta_parameters_stay(self.lightning_module):  # Lightning's teardown moves the module to the CPU
             super().teardown()
-        if self._start_method != "popen" and _distributed_is_initialized():
-            # A spawn-launched worker exits right after teardown. Tearing the process group down here, together,
-            # replaces an implicit teardown at interpreter exit, where a gloo rank was seen to abort now and then
-            # ("terminate called without an active exception") after its work was done.
-            barrier()
-            dist.destroy_process_group()
+        if self._start_method != "popen":
+            destroy_after_spawned_run()  # a spawn-launched worker exits right after teardown
 
     # ------------------------------------------------------------------------------------- step plumbing
     @contextmanager
@@ -322,9 +323,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return reduce_tensor(tensor, group, reduce_op)
 
     @classmethod
     @override

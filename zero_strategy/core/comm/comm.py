@@ -1,9 +1,9 @@
 """The Comm interface: how one process group moves bytes. Callers hold a Comm and never ask which transport it is.
 
 The implementations (one rank, the backend's own collectives, point-to-point exchanges, shared memory on one host)
-and the decorators (CUDA side streams, the divergence watch) live beside this file; ``plan.py`` picks them once per
-group. Every method starts an exchange and returns one :class:`Work`; every implementation counts what it moves
-where it moves it (see [Note: counting bytes where they move] in log.py).
+and the decorators (CUDA side streams, the divergence watch) live beside this file; ``engine_comms.py`` picks them
+once per group. Every method starts an exchange and returns one :class:`Work`; every implementation counts what it
+moves where it moves it (see [Note: counting bytes where they move] in log.py).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class Comm(ABC):
     def reductions_in_flight(self) -> int | None:
         """How many reduce-scatters a caller may keep in flight before waiting for the oldest: each one holds its
         flattened input in private memory until it lands, so a backward overlapping its reductions keeps this
-        bound (see [Note: overlapped reduction] in runtime/hooks.py). None: no bound (the transport owns its
-        buffers and waits inside when they are all in use)."""
+        bound (see [Note: overlapped reduction] in runtime/backward_reductions.py). None: no bound (the transport owns
+        its buffers and waits inside when they are all in use)."""
         return 1
 
     # ------------------------------------------------------------------------------------ small exchanges

@@ -10,6 +10,7 @@ elsewhere (:func:`check_device`): flat buffers are built on the right device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def backend_name(handle: ProcessGroup = None) -> str:
+    """The backend of ``handle`` (None: the default group), or "none" without a process group."""
+    return str(dist.get_backend(handle)) if distributed() else "none"
+
+
 def collective_device(handle: ProcessGroup) -> torch.device:
     """The device whose tensors ``handle``'s backend accepts: this rank's CUDA device on NCCL, the CPU otherwise."""
     if not distributed():
@@ -34,6 +40,26 @@ def collective_device(handle: ProcessGroup) -> torch.device:
     if "nccl" in backend and "gloo" not in backend:  # a mixed "cpu:gloo,cuda:nccl" group takes CPU tensors too
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_simulated = threading.local()  # in-process tests run one simulated rank per thread: the ambient group is per thread
+
+
+@contextmanager
+def simulated_rank(group: Any) -> Iterator[None]:
+    """Within the block, an engine built on this thread without a process group shards over ``group``, a group
+    of ranks simulated by threads (comm/in_process.py; the harness ``zero_strategy.testing.run_in_process``
+    enters it on each rank's thread)."""
+    _simulated.group = group
+    try:
+        yield
+    finally:
+        _simulated.group = None
+
+
+def simulated_group() -> Any:
+    """The simulated group of this thread (see :func:`simulated_rank`), or None."""
+    return getattr(_simulated, "group", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +93,7 @@ class Group:
     def backend(self) -> str:
         if self.handle is not None and not isinstance(self.handle, dist.ProcessGroup):
             return "simulated"
-        return str(dist.get_backend(self.handle)) if distributed() else "none"
+        return backend_name(self.handle)
 
     def global_rank(self, group_rank: int) -> int:
         return self.members[group_rank]

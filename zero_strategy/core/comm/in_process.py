@@ -5,8 +5,8 @@ Exchanges meet at a rendezvous of the simulated world: each rank posts its contr
 every rank's once they are all there. Sums run in rank order, as on every real transport, so results equal the
 point-to-point path bit for bit. A rank that raises aborts the world: its peers' waits fail at once instead of
 waiting for the timeout. No processes, sockets or process groups: FlatParam, unit and step logic run in
-milliseconds (see ``zero_strategy.testing.run_in_process``; an engine built on a rank's thread finds its group
-through ``plan.topology.simulated_rank``).
+milliseconds (see ``zero_strategy.testing.run_in_process``; an engine built on a rank's thread without a group
+finds its simulated group through ``group.simulated_group``, which only the engine's constructor reads).
 
 What it cannot simulate: anything that needs real processes — shared memory between ranks, the divergence watch
 (it uses the process group's store), per-process state such as the default random generator (threads share it, so

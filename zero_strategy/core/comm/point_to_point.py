@@ -17,8 +17,9 @@ so a reduce-scatter plus an all-gather costs what DDP's single all-reduce costs.
 of this Comm: ranks issue exchanges in the same order, so tags agree, and a rank that fell out of step waits (and
 times out, or is caught by the divergence watch) instead of silently receiving another exchange's bytes. Gathers
 and reductions count separately: each kind is issued in one order on every rank, but at stage 3 a rank may post a
-reduction before a gather that a peer posts after it (see [Note: collective order] in runtime/hooks.py). A gather's
-tag also carries a checksum of its label (the unit), so gathers of different units never pair up.
+reduction before a gather that a peer posts after it (see [Note: collective order] in
+runtime/backward_reductions.py). A gather's tag also carries a checksum of its label (the unit), so gathers of
+different units never pair up.
 """
 
 from __future__ import annotations

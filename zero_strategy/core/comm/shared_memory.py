@@ -2,9 +2,9 @@
 shared-memory reductions] in shm_exchange.py) instead of the TCP loopback.
 
 Reduce-scatters, the all-gathers of stages 1/2, small all-reduces (the agreement on used parameters, norms, flags)
-and barriers go through the arenas; broadcasts and object exchanges go through the group's network Comm. The plan
-(plan.py) hands this Comm only the exchanges that fit an arena. The bytes a rank copies out of each peer's arena are
-counted as moved from that peer (intra-host).
+and barriers go through the arenas; broadcasts and object exchanges go through the group's network Comm. EngineComms
+(engine_comms.py) hands this Comm only the exchanges that fit an arena. The bytes a rank copies out of each peer's
+arena are counted as moved from that peer (intra-host).
 """
 
 from __future__ import annotations

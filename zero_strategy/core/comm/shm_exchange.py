@@ -21,7 +21,7 @@ its faster peer's posts already there, reads at once and moves its *done* along,
 ``ARENAS`` exchanges ahead of it before it waits (one, when each exchange was read before the next was posted). A
 stage 2/3 backward therefore does not meet its peers at every unit: small drifts between the ranks' backward
 passes are absorbed, and the ranks wait for each other at the end of backward, where the last reductions are read
-(see [Note: overlapped reduction] in runtime/hooks.py).
+(see [Note: overlapped reduction] in runtime/backward_reductions.py).
 
 Why spinning on a counter is sound here: it relies on the processor making a rank's plain stores visible to other
 cores in program order (the gradient bytes before the counter) and its loads in order. x86-64 guarantees both
@@ -40,7 +40,7 @@ The step-time effect: ``python -m benchmarks.benchmark --params 5m --methods
 single_process,ddp,zero2,zero2_point_to_point`` (the ``*_point_to_point`` rows are the same stages without shared
 memory); the README's benchmark table has the figures.
 
-What stays point-to-point (comm/plan.py decides): a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would
+What stays point-to-point (comm/engine_comms.py decides): a FlatParam larger than ``ARENA_CAP_BYTES`` (the arenas would
 cost ``ARENAS`` copies of it per rank for the whole run), stage 3 when its gathers go through the network (the
 divergence watch of watch.py must see every wait), hybrid replicas' all-reduce, and every rank not on one host.
 """

@@ -41,7 +41,7 @@ class ParamState(Enum):
 
 @dataclass(frozen=True, slots=True)
 class FlatLinks:
-    """What a FlatParam exchanges through, chosen by the comm plan."""
+    """What a FlatParam exchanges through, chosen by EngineComms (core/comm/engine_comms.py)."""
 
     rank: int  # this rank's place in the shard group (which slice it owns)
     comm: Comm  # gathers and reductions over the shard group

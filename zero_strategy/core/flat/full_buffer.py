@@ -1,7 +1,7 @@
 """The gathered buffer of a FlatParam: every rank's slice side by side, in the compute dtype, what the module's
 parameters are views of (see [Note: views into one flat buffer] in flat_param.py).
 
-Two kinds, chosen by the comm plan: a private buffer whose storage is freed and re-made around gathers (stage 3) or
+Two kinds, chosen by EngineComms: a private buffer whose storage is freed and re-made around gathers (stage 3) or
 kept for the whole run (stages 1/2), and a host-wide buffer that every local rank maps and reads in place
 (comm/host_segments.py's ``HostSharedFull``: stage 3 on one host's CPU ranks). A FlatParam holds either through
 this protocol and never asks which.

@@ -137,7 +137,7 @@ class GradientSlices:
     def start_reduce(self, force: bool = False) -> None:
         """Flatten the module's gradients and start reducing them; :meth:`finish_reduce` accumulates the result.
         ``force``: reduce even without a local gradient (zeros), because a peer has one and every rank must take
-        part in every exchange (see [Note: collective order] in runtime/hooks.py)."""
+        part in every exchange (see [Note: collective order] in runtime/backward_reductions.py)."""
         if not (self.has_pending() or force):
             return
         self.finish_reduce()  # one reduction per FlatParam in flight

@@ -53,7 +53,7 @@ class FlatStorage:
     ) -> None:
         """``initial``: the parameters' values laid out flat (padded, their own dtype), the same on every rank; None
         when they arrive later (sharded construction, see core/init/materialize.py). ``host_full``: a host-wide gathered
-        buffer from the comm plan, or None."""
+        buffer from the engine's comms (EngineComms), or None."""
         self.spec = spec
         self.placement = options.placement
         start, end = spec.layout.shard_range(rank)

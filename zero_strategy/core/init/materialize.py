@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.init import FinalTensor, Recording, ReplayPlan, ReplayStats
+from zero_strategy.core.init import FinalTensor, ModuleReplay, Recording, ReplayStats
 
 
 class WeightsReader(Protocol):
@@ -38,10 +38,10 @@ class WeightsReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Pretrained:
-    """Weights to load: ``plan`` maps a name of the engine's module (state_dict key) to the reader that holds
+    """Weights to load: ``sources`` maps a name of the engine's module (state_dict key) to the reader that holds
     it and the name it has there (several files may fill different submodules)."""
 
-    plan: Mapping[str, tuple[WeightsReader, str]]
+    sources: Mapping[str, tuple[WeightsReader, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +69,8 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
     if not names:
         return None
     if values is not None and values.recording is None and values.pretrained is not None:
-        # nothing was built here: every meta tensor is read (a released engine's slices, see core/release.py)
-        missing = [name for name in names if name not in values.pretrained.plan]
+        # nothing was built here: every meta tensor is read (a released engine's slices, see core/step/release.py)
+        missing = [name for name in names if name not in values.pretrained.sources]
         if not missing and values.device is not None:
             return values.device
         names = missing or names
@@ -85,17 +85,17 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
     return values.device or values.recording.device
 
 
-def plan_replay(module: nn.Module, recording: Recording) -> ReplayPlan:
-    """Plan the replay while the module's tensors are still meta (the FlatParams then give them storage)."""
-    return ReplayPlan(recording, module)
+def prepare_replay(module: nn.Module, recording: Recording) -> ModuleReplay:
+    """Prepare the replay while the module's tensors are still meta (the FlatParams then give them storage)."""
+    return ModuleReplay(recording, module)
 
 
 def replay_construction(
-    module: nn.Module, flats: Iterable[FlatParam], plan: ReplayPlan, everyone: Comm
+    module: nn.Module, flats: Iterable[FlatParam], replay: ModuleReplay, everyone: Comm
 ) -> ReplayStats:
     """Replay the recorded construction of ``module``'s meta tensors into the FlatParams and buffers (and the
     tensors the module holds besides them). Collective (rank 0's generator states are adopted first)."""
-    recording = plan.recording
+    recording = replay.recording
     # every rank of the run (all replicas) replays from global rank 0's generator states
     recording.generators.adopt(everyone.broadcast_object(recording.generators.states(), 0, "generator states"))
     owner: dict[str, tuple[FlatParam, int]] = {}
@@ -111,7 +111,7 @@ def replay_construction(
         for name in final.names:  # a buffer: every rank keeps it whole (tied names and views stay one storage)
             _set_buffer(module, name, value)
 
-    stats = plan.replay(on_final)
+    stats = replay.replay(on_final)
     left = meta_names(module)
     if left:
         raise UnmaterializedError(
@@ -129,14 +129,14 @@ def load_pretrained(module: nn.Module, flats: Iterable[FlatParam], pretrained: P
         for flat in flats:
             positions = {name: index for index, name in enumerate(flat.names)}
             for overlap in flat.layout.overlaps(rank):
-                if overlap.name not in pretrained.plan:  # strict=False: left as initialized
+                if overlap.name not in pretrained.sources:  # strict=False: left as initialized
                     continue
-                reader, source = pretrained.plan[overlap.name]
+                reader, source = pretrained.sources[overlap.name]
                 values = reader.read(source, overlap.param_start, overlap.numel, dtype=flat.shard.dtype)
                 flat.write_shard_range(positions[overlap.name], overlap.param_start, values)
         for name, buffer in module.named_buffers():
-            if name in pretrained.plan:
-                reader, source = pretrained.plan[name]
+            if name in pretrained.sources:
+                reader, source = pretrained.sources[name]
                 buffer.copy_(reader.read(source, dtype=buffer.dtype).view_as(buffer))
 
 

@@ -22,10 +22,7 @@ gather and reduce-scatter.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,33 +169,12 @@ def build_rank_layout(
     return RankLayout(topology, shard_groups[rank // size], Replicas(replica_groups[rank % size], count, rank // size))
 
 
-_simulated = threading.local()
-
-
-@contextmanager
-def simulated_rank(group: Any) -> Iterator[None]:
-    """Within the block, an engine built on this thread without a process group shards over ``group``, a group
-    of ranks simulated by threads (comm/in_process.py: logic tests without processes)."""
-    _simulated.group = group
-    try:
-        yield
-    finally:
-        _simulated.group = None
-
-
-def simulated_group() -> Any:
-    """The simulated group of this thread (see :func:`simulated_rank`), or None."""
-    return getattr(_simulated, "group", None)
-
-
 def resolve_rank_layout(group: Any, config: ZeroConfig) -> RankLayout:
     """An engine's layout: given, or built from ``config.shard_group_size`` / ``hierarchical_params`` and the
     launcher's environment (``LOCAL_WORLD_SIZE``; see [Note: node membership comes from the launcher])."""
     if isinstance(group, RankLayout):
         return group
-    if group is None:  # ranks simulated by threads (logic tests: comm/in_process.py) shard over their world
-        group = simulated_group()
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    if group is not None and not isinstance(group, dist.ProcessGroup):  # simulated ranks (comm/in_process.py)
         return RankLayout(Topology.one_node(len(group.members)), group)  # type: ignore[arg-type]
     if not (dist.is_available() and dist.is_initialized()):
         return RankLayout(Topology.one_node(1), group)

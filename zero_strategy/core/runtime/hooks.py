@@ -16,7 +16,7 @@ prefetch along it, and the first unit backward needs is fetched as soon as the r
 
 Stage 3 gathers are collectives too unless the shards are in shared memory (one host's CPU ranks, where a gather
 is a local copy): there rank-dependent use just works. With network gathers a rank that gathers a unit its peers
-do not gather would wait forever, see [Note: diverging gathers] in gather_watch.py.
+do not gather would wait forever, see [Note: diverging gathers] in core/comm/watch.py.
 
 [Note: container units]
 A ``ModuleList``/``ModuleDict`` made one unit (all experts of a mixture-of-experts layer, so that their gathers

@@ -1,7 +1,7 @@
 """The one order in which every rank starts its units' gradient reductions during backward.
 
-See [Note: collective order] in hooks.py for why the order must be agreed rather than follow each rank's own
-backward.
+See [Note: collective order] in backward_reductions.py for why the order must be agreed rather than follow
+each rank's own backward.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class ZeroUnit:
 
     def reductions_in_flight(self) -> int | None:
         """How many of this unit's reductions may stay in flight while backward goes on (see [Note: overlapped
-        reduction] in hooks.py): the tightest bound of its FlatParams' comms (None: unbounded)."""
+        reduction] in backward_reductions.py): the tightest bound of its FlatParams' comms (None: unbounded)."""
         bounds = [flat.comm.reductions_in_flight for flat in self.flat_params if flat.trainable]
         limited = [bound for bound in bounds if bound is not None]
         return min(limited) if limited else None

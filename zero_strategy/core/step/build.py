@@ -1,6 +1,6 @@
 """Building an engine's parts, in the order their decisions need: the units and FlatParams planned from shapes,
-the comm plan sized from that plan, each FlatParam's storage and initial values, then the values a meta-built or
-pretrained module gets. Collective: every rank builds in the same order."""
+the engine's comms (EngineComms) sized from those units, each FlatParam's storage and initial values, then the
+values a meta-built or pretrained module gets. Collective: every rank builds in the same order."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
+from zero_strategy.core.comm.engine_comms import EngineComms
 from zero_strategy.core.comm.log import CommunicationLog
-from zero_strategy.core.comm.plan import CommPlan
 from zero_strategy.core.flat.flat_param import FlatLinks, FlatParam
 from zero_strategy.core.flat.full_buffer import FullBuffer
 from zero_strategy.core.flat.placement import Placement, make_placement
@@ -22,7 +22,7 @@ from zero_strategy.core.init.materialize import (
     InitialValues,
     check_materializable,
     load_pretrained,
-    plan_replay,
+    prepare_replay,
     replay_construction,
 )
 from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
@@ -40,7 +40,7 @@ class EngineParts:
     """What :func:`build_parts` made."""
 
     units: list[ZeroUnit]
-    comms: CommPlan
+    comms: EngineComms
     placement: Placement | None
     device: torch.device  # where the module computes
     built_sharded: bool  # no rank ever held the whole module (it was built on the meta device)
@@ -61,7 +61,7 @@ def build_parts(
     materialize_on = check_materializable(module, initial_values)
     recording = initial_values.recording if initial_values is not None else None
     # planned while the tensors are still meta: building the FlatParams gives them storage
-    replay = plan_replay(module, recording) if recording is not None and materialize_on is not None else None
+    replay = prepare_replay(module, recording) if recording is not None and materialize_on is not None else None
     stage = config.zero_stage
     unit_paths = choose_unit_modules(module, config.unit_modules, config.min_unit_numel)
     plans = plan_units(module, unit_paths)
@@ -69,7 +69,7 @@ def build_parts(
         warn_compiled_around_units(module, unit_paths)
     device = materialize_on or next((p.device for p in module.parameters()), torch.device("cpu"))
     offloaded = OffloadDevice.none is not config.offload_optimizer or config.offload_param is not OffloadDevice.none
-    comms = CommPlan(config, layout, device, offloaded, CommunicationLog(topology=layout.topology))
+    comms = EngineComms(config, layout, device, offloaded, CommunicationLog(topology=layout.topology))
     try:
         placement = make_placement(config, device, plans, comms.group.rank)
         specs = plan_flat_params(plans, param_owners(optimizers), policy, comms.group.size)
@@ -98,7 +98,7 @@ def build_parts(
 
 
 def _flat_param(
-    spec: FlatSpec, comms: CommPlan, options: StorageOptions, host_full: FullBuffer | None, deferred: bool
+    spec: FlatSpec, comms: EngineComms, options: StorageOptions, host_full: FullBuffer | None, deferred: bool
 ) -> FlatParam:
     """One FlatParam, its storage holding the group's first rank's values (DDP broadcasts rank 0's too), or
     nothing yet when the module was built on the meta device (its values are replayed or loaded later)."""
@@ -117,7 +117,7 @@ def _flat_param(
     return flat
 
 
-def _initial_values(spec: FlatSpec, comms: CommPlan, device: torch.device) -> Tensor:
+def _initial_values(spec: FlatSpec, comms: EngineComms, device: torch.device) -> Tensor:
     """The parameters laid out flat (padded, their own dtype) as the group's first rank has them."""
     full = torch.zeros(spec.layout.padded_numel, dtype=spec.stored_dtype, device=device)
     with torch.no_grad():

@@ -11,7 +11,7 @@ Communication plan of one optimizer step (Ψ parameters, N ranks):
   gather the node-local secondary copies (see core/flat/secondary.py).
 - hybrid sharding (``shard_group_size``): the above inside each shard group, then one all-reduce of the
   accumulated gradient slice over the replicas per step (see [Note: hybrid sharding] in plan/topology.py).
-Global-norm clipping adds one scalar all-reduce. How the bytes travel is the comm plan's (core/comm/plan.py).
+Global-norm clipping adds one scalar all-reduce. How the bytes travel is EngineComms' (core/comm/engine_comms.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import watching
@@ -106,19 +107,21 @@ class ZeroEngine:
         """``entry_module``: where a step's forward enters (Lightning's wrapper); defaults to ``module``.
         ``policy``: mixed precision (compute dtype, reduction dtype); None computes in the parameters' dtype.
         ``initial_values``: how a meta-built module gets its values, and pretrained weights to load (see
-        [Note: sharded construction] in materialize.py).
+        [Note: sharded construction] in core/init/materialize.py).
         ``group``: the process group to shard over, or a :class:`RankLayout` (nodes, shard and replica groups)."""
         self.module = module
         self.optimizers = list(optimizers)
         self.config = config
         self.stage = ZeroStage(config.stage)
+        if group is None:  # ranks simulated by threads (logic tests: comm/in_process.py) shard over their world
+            group = simulated_group()
         parts = build_parts(module, self.optimizers, config, resolve_rank_layout(group, config), policy,
                             initial_values)
         self.units, self.comms, self.placement = parts.units, parts.comms, parts.placement
         self.built_sharded, self.replay_stats = parts.built_sharded, parts.replay_stats
         replicas = self.comms.replicas
-        self.ctx = RankPlace(self.comms.group.rank, self.comms.group.size,
-                             replicas.index if replicas else 0, replicas.count if replicas else 1)
+        self.place = RankPlace(self.comms.group.rank, self.comms.group.size,
+                               replicas.index if replicas else 0, replicas.count if replicas else 1)
         # stop the comms' threads with the engine even if it is never released
         self._closer = weakref.finalize(self, self.comms.close)
         self.windows = StepWindows(self.units, self.stage, self.comms, self.placement, config.nvme_chunk_numel,
@@ -140,7 +143,8 @@ class ZeroEngine:
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
-        # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict ...])
+        # every stage: a full state dict loads into the master slices (see [Note: loading a full state dict into
+        # the shards] in state_dict_loads.py)
         self.state_dict_loads = StateDictLoads(module, self.flat_params, self.before_load, self.after_load)
         for unit in self.units:
             unit.release_gathered()
@@ -151,6 +155,11 @@ class ZeroEngine:
     def comm_log(self) -> CommunicationLog:
         """What this engine's exchanges moved (see [Note: counting bytes where they move] in comm/log.py)."""
         return self.comms.log
+
+    @property
+    def ctx(self) -> RankPlace:
+        """The old name of :attr:`place` (zero_strategy/checkpoint/ still reads it)."""
+        return self.place
 
     @property
     def flat_params(self) -> list[FlatParam]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zero_strategy.core.comm.comm import ReduceOp
-from zero_strategy.core.comm.plan import ReplicaComm
+from zero_strategy.core.comm.engine_comms import ReplicaComm
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grads import SliceState
 

@@ -46,7 +46,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from zero_strategy.core.comm.plan import CommPlan
+from zero_strategy.core.comm.engine_comms import EngineComms
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.in_place_watch import OVERWRITTEN
 from zero_strategy.core.flat.placement import Placement
@@ -83,7 +83,7 @@ class StepWindows:
     """The step lifecycle of every optimizer of one engine (see [Note: the step window])."""
 
     def __init__(
-        self, units: list[ZeroUnit], stage: ZeroStage, comms: CommPlan, placement: Placement | None,
+        self, units: list[ZeroUnit], stage: ZeroStage, comms: EngineComms, placement: Placement | None,
         chunk_numel: int, optimizers: list[Optimizer], gradients_held: Callable[[], bool] = lambda: False,
     ) -> None:
         """``gradients_held``: whether a backward left gradients on the module that no reduction took yet (see
@@ -155,7 +155,7 @@ class StepWindows:
         for flat in flats:
             flat.grads.settle_host_copies()  # offload on a GPU: the host reads the gradients next
         replicas = self.comms.replicas
-        if replicas is not None and replicas.count > 1:  # hybrid sharding: once per step (see [Note: hybrid ...])
+        if replicas is not None and replicas.count > 1:  # hybrid sharding: once per step (see [Note: hybrid sharding])
             for flat in flats:
                 average_over_replicas(flat, replicas)
 

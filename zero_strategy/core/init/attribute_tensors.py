@@ -1,6 +1,6 @@
 """Tensors a module holds besides its parameters and buffers, made by the recorded build on the meta device.
 
-[Note: held tensors]
+[Note: attribute tensors]
 A build makes tensors that are neither parameters nor buffers: a torchmetrics `Metric` keeps its states as plain
 attributes (`add_state`) and their defaults in the `_defaults` dict (what `reset()` goes back to); a module may keep
 a plain tensor attribute, or tensors in a list, tuple or dict attribute. Eager, they hold values; built on the meta
@@ -8,7 +8,7 @@ device they would stay meta (`Tensor.item() cannot be called on meta tensors` at
 `Cannot copy out of meta tensor` in teardown). Replay materializes them with the values an eager build gives, in
 place: `torch.utils.swap_tensors` gives the meta tensor *object* its value, so whatever holds it (the attribute,
 the list or dict it sits in, user code that kept a reference) sees the value, and containers keep their identity.
-Held tensors that are views of one storage stay views of one storage. One that is a view of a parameter's storage
+Attribute tensors that are views of one storage stay views of one storage. One that is a view of a parameter's storage
 is refused: parameters live in flat shards under ZeRO, so no view can follow them. A meta tensor the recording
 never saw made (made on the meta device before the build) is left as it is, as an eager build leaves it.
 """
@@ -30,7 +30,7 @@ _MAX_DEPTH = 4  # containers within containers looked into (a Metric's list stat
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Where a held tensor was found: `holder[key]` (a list or dict) or the attribute `key` of `holder`."""
+    """Where an attribute tensor was found: `holder[key]` (a list or dict) or the attribute `key` of `holder`."""
 
     holder: Any
     key: Any
@@ -49,15 +49,15 @@ class Place:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldTensor:
-    """A recorded meta tensor a module holds outside its parameters and buffers (see [Note: held tensors])."""
+class AttributeTensor:
+    """A recorded meta tensor a module holds outside its parameters and buffers (see [Note: attribute tensors])."""
 
     tensor: Tensor  # the meta tensor object itself: it is given its value in place
     places: tuple[Place, ...]
     ref: TensorRef
 
     def fill(self, value: Tensor) -> None:
-        """Give the held tensor object `value` (a tensor replay made; not written again)."""
+        """Give the attribute tensor object `value` (a tensor replay made; not written again)."""
         tensor = self.tensor
         if isinstance(tensor, nn.Parameter):  # a parameter no module registered: it stays a Parameter
             replacement: Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
@@ -74,7 +74,7 @@ class HeldTensor:
             place.put(replacement)
 
 
-def held_tensors(module: nn.Module, recording: Recording) -> tuple[HeldTensor, ...]:
+def attribute_tensors(module: nn.Module, recording: Recording) -> tuple[AttributeTensor, ...]:
     """Every meta tensor the recording made that `module`'s submodules hold outside parameters and buffers."""
     registered = {id(t): name for name, t in _registered(module)}
     parameter_storage = {
@@ -100,10 +100,10 @@ def held_tensors(module: nn.Module, recording: Recording) -> tuple[HeldTensor, .
                         f"the parameter in forward(), or register it as a buffer of its own."
                     )
                 found.setdefault(id(tensor), (tensor, []))[1].append(place)
-    held = [HeldTensor(tensor, tuple(places), recording.ref(tensor)) for tensor, places in found.values()]
+    found_tensors = [AttributeTensor(tensor, tuple(places), recording.ref(tensor)) for tensor, places in found.values()]
     # Views first: a view refers to its base, and swap_tensors gives a value in place only to a tensor nothing
     # else refers to. Once a view has its value, the base is free to get its own.
-    return tuple(sorted(held, key=lambda h: not h.tensor._is_view()))
+    return tuple(sorted(found_tensors, key=lambda h: not h.tensor._is_view()))
 
 
 def _registered(module: nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.core.init.held import HeldTensor
+from zero_strategy.core.init.attribute_tensors import AttributeTensor
 from zero_strategy.core.init.ops import DeferredInitError, RecordedOp, TensorRef
 from zero_strategy.core.init.record import Recording
 
@@ -30,9 +30,9 @@ class FinalTensor:
         return self.ref.dtype
 
 
-# What replay hands over once its storage is final: a parameter or buffer value (to the caller), or a held tensor
-# (given its value in place; see [Note: held tensors] in held.py).
-Emission = FinalTensor | HeldTensor
+# What replay hands over once its storage is final: a parameter or buffer value (to the caller), or an attribute tensor
+# (given its value in place; see [Note: attribute tensors] in attribute_tensors.py).
+Emission = FinalTensor | AttributeTensor
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
 
 
-def plan_steps(recording: Recording, emissions: tuple[Emission, ...]) -> list[Step]:
+def schedule_steps(recording: Recording, emissions: tuple[Emission, ...]) -> list[Step]:
     """Orders the ops and emissions, then runs the backward liveness pass over them.
 
     A final value is emitted right after the last op that writes its storage. See [Note: replay liveness].

@@ -12,7 +12,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from zero_strategy.core.init import DeferredInitError, ReplayPlan, materialize_module, record_construction
+from zero_strategy.core.init import DeferredInitError, ModuleReplay, materialize_module, record_construction
 
 SEED = 77
 CLASSES = 5
@@ -28,7 +28,7 @@ class WithMetrics(nn.Module):
         self.count = torch.zeros((), dtype=torch.int64)
         self.noise = torch.rand(4)  # drawn between parameter inits: its draws count
         self.table = [torch.stack([torch.arange(3.0), -torch.arange(3.0)]), {"ones": torch.ones(2)}, (torch.ones(2),)]
-        self.first_row = self.table[0][0]  # a view of another held tensor (which is no view itself)
+        self.first_row = self.table[0][0]  # a view of another attribute tensor (which is no view itself)
         self.head = nn.Linear(CLASSES, 2)
 
 
@@ -41,7 +41,7 @@ def _build(record: bool) -> tuple[WithMetrics, Any]:
     return model, recording
 
 
-def _held(model: WithMetrics) -> dict[str, Tensor]:
+def _attribute_tensors(model: WithMetrics) -> dict[str, Tensor]:
     """Every tensor the module holds outside parameters and buffers, by where it is."""
     return {
         "acc.tp": model.acc.tp,
@@ -59,23 +59,23 @@ def _held(model: WithMetrics) -> dict[str, Tensor]:
     }
 
 
-def test_held_tensors_get_the_eager_values_in_place() -> None:
+def test_attribute_tensors_get_the_eager_values_in_place() -> None:
     eager, _ = _build(record=False)
     model, recording = _build(record=True)
-    before = _held(model)
+    before = _attribute_tensors(model)
     assert all(t.is_meta for t in before.values())
     containers = (model.table, model.table[1], model.acc._defaults, model.cat.value, model.cat._defaults["value"])
     materialize_module(model, recording)
-    after, expected = _held(model), _held(eager)
+    after, expected = _attribute_tensors(model), _attribute_tensors(eager)
     for name, value in expected.items():
         assert not after[name].is_meta, name
         assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
         assert after[name] is before[name], f"{name}: the tensor object code holds keeps its identity"
     again = (model.table, model.table[1], model.acc._defaults, model.cat.value, model.cat._defaults["value"])
     assert all(a is b for a, b in zip(containers, again, strict=True)), "containers keep their identity"
-    assert torch.equal(model.head.weight, eager.head.weight), "the held random draw is replayed in order"
+    assert torch.equal(model.head.weight, eager.head.weight), "the attribute tensor's random draw is replayed in order"
     model.first_row.fill_(-1.0)
-    assert torch.equal(model.table[0][0], torch.full((3,), -1.0)), "a view of a held tensor stays a view of it"
+    assert torch.equal(model.table[0][0], torch.full((3,), -1.0)), "a view of an attribute tensor stays a view of it"
     assert model.acc.device == eager.acc.device == torch.device("cpu")
 
 
@@ -106,11 +106,11 @@ class ViewOfAParameter(nn.Module):
         self.first_row = self.lin.weight[0]
 
 
-def test_a_held_view_of_a_parameter_is_a_clear_error() -> None:
+def test_an_attribute_tensor_viewing_a_parameter_is_a_clear_error() -> None:
     with record_construction() as recording:
         model = ViewOfAParameter()
     with pytest.raises(DeferredInitError, match=r"first_row is a view of parameter lin.weight.*buffer"):
-        ReplayPlan(recording, model)
+        ModuleReplay(recording, model)
 
 
 def test_meta_tensors_made_before_the_build_stay_meta() -> None:
@@ -124,7 +124,7 @@ def test_meta_tensors_made_before_the_build_stay_meta() -> None:
 
 
 class ViewHiddenInAnObject(nn.Module):
-    """A view of a held tensor kept inside an object no walk looks into: the base cannot be swapped in place."""
+    """A view of an attribute tensor kept inside an object no walk looks into: the base cannot be swapped in place."""
 
     def __init__(self, in_tuple: bool) -> None:
         super().__init__()
@@ -136,7 +136,7 @@ class ViewHiddenInAnObject(nn.Module):
             self.base, self.listed = base, [base]
 
 
-def test_a_held_tensor_something_else_refers_to_gets_its_value_where_it_was_found() -> None:
+def test_an_attribute_tensor_something_else_refers_to_gets_its_value_where_it_was_found() -> None:
     with record_construction() as recording:
         model = ViewHiddenInAnObject(in_tuple=False)
     materialize_module(model, recording)

@@ -1,0 +1,60 @@
+"""The process group and the rank layout, as both adapters set them up, and the collectives of Lightning's strategy
+API (``barrier``, ``broadcast``, ``reduce``/``all_reduce``), which both adapters' strategies delegate to here."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.core.comm.control import barrier, broadcast_object  # the package's one barrier and broadcast
+from zero_strategy.core.comm.exit_teardown import destroy_process_group_at_exit
+from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
+
+__all__ = ["barrier", "broadcast_object", "destroy_after_spawned_run", "init_process_group", "rank_layout",
+           "reduce_tensor"]
+
+
+def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
+    """The default process group of the launcher's world (kept when one exists: torchrun, a test harness), torn
+    down at interpreter exit when created here (see [Note: destroying the process group at exit])."""
+    created_here = not _distributed_is_initialized()
+    _init_dist_connection(environment, backend, timeout=timedelta(seconds=timeout_s))
+    if created_here and _distributed_is_initialized():
+        destroy_process_group_at_exit()
+
+
+def rank_layout(config: ZeroConfig, world_size: int, processes_per_node: int) -> RankLayout | None:
+    """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local rank),
+    and the shard / replica groups of ``shard_group_size``; None without a process group (one process)."""
+    if not _distributed_is_initialized():
+        return None
+    topology = Topology.uniform(world_size, processes_per_node)
+    return build_rank_layout(config.shard_group_size, topology, config.hierarchical_params)
+
+
+def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor | Any:
+    """Lightning's ``reduce``/``all_reduce`` of a strategy: a tensor reduced over the group as Lightning's DDP
+    strategies reduce it; anything else unchanged."""
+    if isinstance(tensor, Tensor):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor
+
+
+def destroy_after_spawned_run() -> None:
+    """A spawn-launched rank exits right after teardown: tear the process group down here, together, instead of
+    implicitly at interpreter exit, where a gloo rank was seen to abort now and then ("terminate called without an
+    active exception") after its work was done. Nothing without a process group."""
+    if _distributed_is_initialized():
+        barrier()
+        dist.destroy_process_group()
