@@ -134,14 +134,12 @@ def in_place_worker(rank, world_size):
     assert node.readable_in_place
     size = node.tensor.element_size()
     own = node.tensor[node.own_bytes[0] // size : node.own_bytes[1] // size]
+    # the module's parameters are views of the node's buffer: nothing is gathered into a private copy
+    same_storage = all(p.untyped_storage().data_ptr() == node.tensor.untyped_storage().data_ptr() for p in flat.params)
     # the master slice the optimizer stepped is this rank's slice of it
     master_is_slice = flat.shard.data_ptr() == own.data_ptr()
     released = (mapped_pages(own), mapped_pages(peers(flat)))
     with engine.gathered_parameters():
-        # the module's parameters are views of the node's buffer even when gathered: nothing is copied (outside
-        # this block a sharded parameter refuses untyped_storage(), see [Note: parameters outside forward])
-        same_storage = all(p.untyped_storage().data_ptr() == node.tensor.untyped_storage().data_ptr()
-                           for p in flat.params)
         values = {name: p.detach().clone() for name, p in zip(flat.names, flat.params, strict=True)}  # in place
         in_use = mapped_pages(peers(flat))
     report = memory_report(engine)

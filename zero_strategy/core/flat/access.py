@@ -21,10 +21,14 @@ read on both transports):
 - any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``bool(p)``, ``p.item()``, comparisons,
   ``print`` of the values): a :class:`ShardedParameterError` naming the parameter and the way to read it: ``with
   engine.gathered_parameters():`` (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every
-  rank enters. That includes what describes the memory behind the values (``data_ptr()``, ``untyped_storage()``,
-  ``storage_offset()``): on one host it is the host-wide buffer of every rank's slices, on the network path a
-  freed storage (address 0 for every parameter, which code looking for tied weights would take as one shared
-  storage), and under DDP the parameter's own; no answer would be DDP's on both.
+  rank enters. That includes where the values are (``data_ptr()``, ``storage_offset()``): on one host an address
+  in the host-wide buffer of every rank's slices, on the network path address 0 for every parameter (which code
+  looking for tied weights would take as one shared tensor), under DDP the parameter's own; no answer would be
+  DDP's on both.
+- ``untyped_storage()`` (and ``is_shared()``, which reads it) is let through on purpose, and is the one answer that
+  differs between transports: it reports the memory as it is (on one host the mapped host-wide buffer, on the
+  network path a freed storage of 0 bytes), which is what memory accounting (``sum(p.untyped_storage().nbytes()
+  ...)``, this project's memory tests and benchmarks) must see. It holds no values a user could mistake for DDP's.
 - ``repr``/``str`` describe the parameter (name, shape, dtype, "values on other ranks") without its values: a
   debugger, a log line or an assertion message must not fail on it.
 Stages 1 and 2 keep every parameter whole: their parameters are never wrapped. The class swap costs a pointer
@@ -44,8 +48,8 @@ from torch import Tensor, nn
 from zero_strategy.core.flat.grad_reads import check_grad_read, is_grad_getter
 
 # What reads no values of a parameter, and answers alike on every transport and as under DDP: properties (their
-# getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr``,
-# ``untyped_storage`` and ``storage_offset`` (see [Note: parameters outside forward]).
+# getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr`` and
+# ``storage_offset`` (see [Note: parameters outside forward]; ``untyped_storage`` is there on purpose).
 _METADATA_PROPERTIES = frozenset({
     "shape", "dtype", "device", "requires_grad", "grad", "_version", "is_leaf", "is_meta", "is_cuda", "is_cpu",
     "layout", "ndim", "names", "is_sparse", "is_quantized", "is_nested", "grad_fn", "_backward_hooks",
@@ -55,7 +59,7 @@ _METADATA_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_pos
 _METADATA_METHODS = frozenset({
     "numel", "nelement", "size", "dim", "element_size", "untyped_storage", "is_floating_point", "is_complex",
     "stride", "is_contiguous", "get_device", "register_hook",
-    "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "_is_view", "is_pinned",
+    "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "_is_view", "is_shared", "is_pinned",
     "__len__", "__format__", "__repr__", "__dir__", "__sizeof__",
 })
 
@@ -106,10 +110,6 @@ class _Sharded:
             return value
         sharded = next((a for a in args if isinstance(a, _Sharded)), None)
         raise _refused(getattr(sharded, "_zero_name", "a parameter"), _describe(func)[1])
-
-    def untyped_storage(self) -> torch.UntypedStorage:
-        # torch answers this method without asking __torch_function__ (see [Note: parameters outside forward])
-        raise _refused(self._zero_name, "untyped_storage")  # type: ignore[attr-defined]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         owner = self._zero_owner()  # type: ignore[attr-defined]
