@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_strategy.once import first_time
+from zero_strategy.core.once import first_time
 
 TESTED_TORCH = (2, 13)
 """The torch minor version the test suite runs on (CI pins torch==2.13.0)."""

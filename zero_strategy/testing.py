@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_strategy.once import forget_all
+from zero_strategy.core.once import forget_all
 
 
 class RankFailed(RuntimeError):
@@ -57,7 +57,7 @@ def free_port() -> int:
 #   (LAUNCHER_VARIABLES, from the snapshot taken when this module was first imported), so no result depends on
 #   which tests ran before;
 # - what was said once per process: Python's once-per-location warning registries and the library's own (see
-#   [Note: once per process] in once.py); inherited, a warning the parent gave is never given again in the rank,
+#   [Note: once per process] in core/once.py); inherited, a warning the parent gave is never given again in the rank,
 #   and an assertion that it is (or is not) given tests nothing. Both are emptied;
 # - ``atexit`` handlers: a forked process ends by ``os._exit`` and runs none, so the parent's are dropped and the
 #   rank's own (the strategies' process-group teardown) run when its function returns, as at a real rank's exit.

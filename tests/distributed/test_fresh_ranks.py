@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zero_strategy._requirements import UntestedTorchWarning, check_torch
-from zero_strategy.once import first_time
+from zero_strategy.core.once import first_time
 from zero_strategy.testing import STARTING_ENVIRONMENT, run_ranks
 
 LEAKED = {"PL_GLOBAL_SEED": "1234", "PL_SEED_WORKERS": "1", "RANK": "7", "WORLD_SIZE": "9", "NODE_RANK": "3",

@@ -26,7 +26,7 @@ from zero_strategy._requirements import (
     missing_features,
     parse_torch_version,
 )
-from zero_strategy.once import forget_all
+from zero_strategy.core.once import forget_all
 
 REPO = Path(__file__).resolve().parents[2]
 

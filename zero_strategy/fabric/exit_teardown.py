@@ -18,11 +18,11 @@ import warnings
 
 import torch.distributed as dist
 
-from zero_strategy.once import first_time
+from zero_strategy.core.once import first_time
 
 
 def destroy_process_group_at_exit() -> None:
-    """Register (once per process, see [Note: once per process] in once.py) the ``atexit`` handler that destroys
+    """Register (once per process, see [Note: once per process] in core/once.py) the ``atexit`` handler that destroys
     the default process group."""
     if first_time("destroy the process group at exit"):
         atexit.register(_destroy_default_group)

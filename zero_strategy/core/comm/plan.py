@@ -42,9 +42,9 @@ from zero_strategy.core.comm.shm_exchange import ARENAS, SharedExchange, spin_sy
 from zero_strategy.core.comm.solo import SoloComm
 from zero_strategy.core.comm.streams import CollectiveStreams, StreamedComm
 from zero_strategy.core.comm.watched import WatchedComm
+from zero_strategy.core.once import first_time
 from zero_strategy.core.plan.flat_specs import FlatSpec
 from zero_strategy.core.plan.topology import RankLayout
-from zero_strategy.once import first_time
 
 __all__ = ["ARENAS", "ARENA_CAP_BYTES", "CommPlan", "ReplicaComm", "local_comm", "network_comm", "watch_applies"]
 

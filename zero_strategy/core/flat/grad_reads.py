@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_strategy.once import first_time
+from zero_strategy.core.once import first_time
 
 WATCHED_KEY = "_zero_grad_reads"  # a watched parameter's (weak reference to its FlatParam, its name)
 
