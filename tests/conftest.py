@@ -35,6 +35,12 @@ torch.set_num_threads(1)
 from helpers.rank_exits import RANK_FINISHED_DIR_ENV, exited_after_finishing  # noqa: E402
 from torch.multiprocessing import ProcessExitedException  # noqa: E402
 
+# A fit in this process (seed_everything, a spawn launcher) leaves launcher variables behind (PL_GLOBAL_SEED, RANK,
+# MASTER_PORT...): each test ends by giving them back the values the session started with, so that no test's
+# result depends on which ran before it (forked ranks get the same, see [Note: a forked rank starts fresh] in
+# zero_strategy/testing.py).
+from zero_strategy.testing import restore_launcher_environment  # noqa: E402
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
@@ -49,3 +55,4 @@ def pytest_runtest_call(item: pytest.Item):
             raise retry from error
         finally:
             os.environ.pop(RANK_FINISHED_DIR_ENV, None)
+            restore_launcher_environment()

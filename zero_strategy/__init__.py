@@ -8,7 +8,7 @@
 
 from zero_strategy._requirements import check_torch
 
-check_torch()  # before anything else: an old torch fails here with a message naming the need
+check_torch()  # before anything else: a torch lacking an API we call fails here naming it; an untested one warns
 
 from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
 from zero_strategy.checkpoint.pretrained import load_pretrained  # noqa: E402

@@ -2,23 +2,30 @@
 repository's tests and benchmarks: run a function on N CPU ranks over gloo.
 
 Each rank runs in a forked process with a short process-group timeout and hands its result back through a pipe
-of its own. The harness watches every pipe and every process at once: a rank that raises is reported with its
-traceback, a rank that dies (a signal such as SIGSEGV or SIGKILL, ``os._exit``, a non-zero exit code) is reported
-as a crash naming the rank and how it died as soon as its process ends, whether it had handed its result back or
-not, and ranks that neither finish nor die are reported after ``timeout_s``. Every rank's exit status is checked
-before the results are returned.
+of its own. A forked rank is made to start as a fresh process would (see [Note: a forked rank starts fresh]); with
+``init_process_group=False`` it finds the environment torchrun gives its ranks and joins no process group itself,
+so that the code under test (a strategy's ``setup_environment``) creates it.
+
+The harness watches every pipe and every process at once: a rank that raises is reported with its traceback, a
+rank that dies (a signal such as SIGSEGV or SIGKILL, ``os._exit``, a non-zero exit code) is reported as a crash
+naming the rank and how it died as soon as its process ends, whether it had handed its result back or not, and
+ranks that neither finish nor die are reported after ``timeout_s``. Every rank's exit status is checked before the
+results are returned.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zero_strategy.core.once import forget_all
 
 
 class RankFailed(RuntimeError):
@@ -41,13 +50,83 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, pipe: Connection, pg_timeout_s: float, args: tuple
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+# [Note: a forked rank starts fresh]
+# A forked rank inherits its parent's memory, which a real rank (torchrun's, spawn's, a script's) never has:
+# - launcher variables: a fit launched earlier in the test process left PL_GLOBAL_SEED (seeding every later fit's
+#   workers and model), RANK, WORLD_SIZE, MASTER_PORT...; the rank gets them as the test process started with them
+#   (LAUNCHER_VARIABLES, from the snapshot taken when this module was first imported), so no result depends on
+#   which tests ran before;
+# - what was said once per process: Python's once-per-location warning registries and the library's own (see
+#   [Note: once per process] in core/once.py); inherited, a warning the parent gave is never given again in the rank,
+#   and an assertion that it is (or is not) given tests nothing. Both are emptied;
+# - ``atexit`` handlers: a forked process ends by ``os._exit`` and runs none, so the parent's are dropped and the
+#   rank's own (the strategies' process-group teardown) run when its function returns, as at a real rank's exit.
+LAUNCHER_VARIABLES = frozenset({
+    "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE", "PL_TRAINER_DEVICES", "PL_TRAINER_NUM_NODES", "PL_TRAINER_STRATEGY",
+})
+"""Environment variables a launcher (Lightning, torchrun, this harness) sets for its ranks."""
+
+STARTING_ENVIRONMENT = {name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ}
+"""The launcher variables as the process had them when this module was first imported (in a test session: at
+collection, before any test ran)."""
+
+
+def restore_launcher_environment() -> None:
+    """Give every launcher variable the value it had at :data:`STARTING_ENVIRONMENT` (unset where it had none)."""
+    for name in LAUNCHER_VARIABLES:
+        if name in STARTING_ENVIRONMENT:
+            os.environ[name] = STARTING_ENVIRONMENT[name]
+        else:
+            os.environ.pop(name, None)
+
+
+def forget_warnings_said() -> None:
+    """Empty Python's once-per-location warning registries and the library's once-per-process registry."""
+    for module in [warnings, *list(sys.modules.values())]:  # warnings.onceregistry: the "once" action's
+        for name in ("__warningregistry__", "onceregistry") if module is warnings else ("__warningregistry__",):
+            registry = getattr(module, name, None)
+            if isinstance(registry, dict):
+                registry.clear()
+    forget_all()
+
+
+def _start_fresh() -> None:
+    """A forked rank's first act (see [Note: a forked rank starts fresh])."""
+    restore_launcher_environment()
+    forget_warnings_said()
+    atexit._clear()  # the parent's: a real rank never had them
+
+
+def _torchrun_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun sets for rank ``rank`` of a one-node world (Lightning detects TorchElasticEnvironment)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": f"zero-strategy-testing-{port}"}
+
+
+@dataclass(frozen=True)
+class _RankSetup:
+    """How each rank starts: the rendezvous port, the harness's process-group timeout (None: the rank gets
+    torchrun's environment and creates no process group itself)."""
+
+    port: int
+    pg_timeout_s: float | None
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, setup: _RankSetup, pipe: Connection,
+                args: tuple) -> None:
+    _start_fresh()
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        if setup.pg_timeout_s is None:
+            os.environ.update(_torchrun_environment(rank, world_size, setup.port))
+        else:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(setup.port))
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=setup.pg_timeout_s))
         value = fn(rank, world_size, *args)
         # Serialized by torch.save: pickling tensors for another process would pass them as shared-memory
         # handles that vanish when this process exits.
@@ -58,6 +137,7 @@ def _rank_entry(
         pipe.send(("error", traceback.format_exc()))
     finally:
         pipe.close()
+        atexit._run_exitfuncs()  # what the rank registered runs as at a real process's exit
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -136,15 +216,20 @@ def run_ranks(
     timeout_s: float = 60.0,
     pg_timeout_s: float = 30.0,
     survivors_grace_s: float = 0.0,
+    init_process_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    ``init_process_group``: join the ranks in a gloo process group before ``fn`` (timeout ``pg_timeout_s``); False
+    gives each rank torchrun's environment instead (RANK, WORLD_SIZE, MASTER_PORT, TORCHELASTIC_RUN_ID...) for
+    the code under test to create the process group, as under torchrun.
 
     Raises :class:`RankFailed` as soon as a rank raises or dies, or after ``timeout_s`` if ranks are still running.
     ``survivors_grace_s``: after a failure, wait up to this long for the other ranks to finish or fail too and
     report them as well (a test of how survivors react to a crashed peer); by default they are stopped at once.
     """
     ctx = mp.get_context("fork")
-    port = free_port()
+    setup = _RankSetup(free_port(), pg_timeout_s if init_process_group else None)
     ranks: list[_Rank] = []
     try:
         for index in range(world_size):
@@ -152,7 +237,7 @@ def run_ranks(
             # closes the pipe.
             parent_end, child_end = ctx.Pipe(duplex=False)
             process = ctx.Process(
-                target=_rank_entry, args=(fn, index, world_size, port, child_end, pg_timeout_s, args), daemon=True
+                target=_rank_entry, args=(fn, index, world_size, setup, child_end, args), daemon=True
             )
             process.start()
             child_end.close()

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zero_strategy
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.flat import grad_reads
+from zero_strategy.core.once import forget_all
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.gradients import ShardedGradientWarning
 from zero_strategy.testing import run_in_process, run_ranks
@@ -169,9 +169,9 @@ def test_without_an_engine_it_is_lightnings() -> None:
 
 # ------------------------------------------------------------------------------------------ reads of p.grad
 @pytest.fixture(autouse=True)
-def _fresh_read_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh_read_sites() -> None:
     """Each place in the code is warned about once per process; each test starts from none."""
-    monkeypatch.setattr(grad_reads, "_warned_at", set())
+    forget_all()
 
 
 def _reads(rank: int, world_size: int, stage: int) -> list[str]:

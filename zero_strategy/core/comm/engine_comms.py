@@ -42,6 +42,7 @@ from zero_strategy.core.comm.shm_exchange import ARENAS, SharedExchange, spin_sy
 from zero_strategy.core.comm.solo import SoloComm
 from zero_strategy.core.comm.streams import CollectiveStreams, StreamedComm
 from zero_strategy.core.comm.watched import WatchedComm
+from zero_strategy.core.once import first_time
 from zero_strategy.core.plan.flat_specs import FlatSpec
 from zero_strategy.core.plan.topology import RankLayout
 
@@ -51,7 +52,6 @@ ARENA_CAP_BYTES = 256 * 2**20
 """Largest FlatParam exchanged through shared memory (each rank holds ``ARENAS`` arenas of this size at most: they
 would cost that many copies of a larger one for the whole run)."""
 _ROOM_TO_SPARE = 5 / 4  # /dev/shm must hold what we put there with a quarter to spare
-_warned: set[str] = set()  # each fallback is said once per process
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +201,7 @@ class EngineComms:
         message = (f"ZeRO: shared-memory {what} unavailable ({reason}); using point-to-point {what} through the "
                    "network (each rank then holds the units it gathers in its own memory: `zero-estimate ... "
                    "--collectives point_to_point` gives the memory per rank).")
-        if message not in _warned:
-            _warned.add(message)
+        if first_time(("shared-memory fallback", message)):  # once per process (see [Note: once per process])
             warnings.warn(message, stacklevel=4)
 
     # --------------------------------------------------------------------------------------------- use

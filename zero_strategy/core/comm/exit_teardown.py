@@ -18,15 +18,14 @@ import warnings
 
 import torch.distributed as dist
 
-_registered = False
+from zero_strategy.core.once import first_time
 
 
 def destroy_process_group_at_exit() -> None:
-    """Register (once per process) the ``atexit`` handler that destroys the default process group."""
-    global _registered
-    if not _registered:
+    """Register (once per process, see [Note: once per process] in core/once.py) the ``atexit`` handler that destroys
+    the default process group."""
+    if first_time("destroy the process group at exit"):
         atexit.register(_destroy_default_group)
-        _registered = True
 
 
 def _destroy_default_group() -> None:

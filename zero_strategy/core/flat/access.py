@@ -6,8 +6,10 @@ Between its unit's uses a stage-3 parameter keeps its object, shape and dtype, b
 on the network path its storage holds no memory (reading it would read freed memory: garbage, or a crash), and on
 one host's CPU it reads a host-wide buffer in place. So that no read ever returns garbage, and every transport
 behaves alike, a parameter takes a subclass of its own class while its FlatParam is SHARDED (and its own class back
-when the FlatParam is gathered), whose ``__torch_function__`` lets through only what reads no values (shape, dtype,
-device, ``numel``, ``requires_grad``, ``grad``, hooks, the storage object) and decides every other access:
+when the FlatParam is gathered), whose ``__torch_function__`` lets through only what reads no values and answers
+as the parameter would under DDP (shape, dtype, device, ``numel``, ``len``, ``requires_grad``, ``is_leaf``,
+``grad``, hooks) and decides every other access (tests/distributed/test_outside_forward.py tries each kind of
+read on both transports):
 
 - ``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``, Lightning's ``StochasticWeightAveraging``, EMA
   callbacks copy the module): gathered for the copy, which holds the full values (a collective: every rank copies).
@@ -16,9 +18,19 @@ device, ``numel``, ``requires_grad``, ``grad``, hooks, the storage object) and d
   themselves and gathers nothing.
 - a read of ``.grad``: what torch left there (None once the gradient was reduced), with a warning where the
   gradient lives in the master slices instead (see [Note: reading p.grad under ZeRO] in grad_reads.py).
-- any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``print`` of the values): a
-  :class:`ShardedParameterError` naming the parameter and the way to read it: ``with engine.gathered_parameters():``
-  (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every rank enters.
+- any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``bool(p)``, ``p.item()``, comparisons,
+  ``print`` of the values): a :class:`ShardedParameterError` naming the parameter and the way to read it: ``with
+  engine.gathered_parameters():`` (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every
+  rank enters. That includes where the values are (``data_ptr()``, ``storage_offset()``): on one host an address
+  in the host-wide buffer of every rank's slices, on the network path address 0 for every parameter (which code
+  looking for tied weights would take as one shared tensor), under DDP the parameter's own; no answer would be
+  DDP's on both.
+- ``untyped_storage()`` (and ``is_shared()``, which reads it) is let through on purpose, and is the one answer that
+  differs between transports: it reports the memory as it is (on one host the mapped host-wide buffer, on the
+  network path a freed storage of 0 bytes), which is what memory accounting (``sum(p.untyped_storage().nbytes()
+  ...)``, this project's memory tests and benchmarks) must see. It holds no values a user could mistake for DDP's.
+- ``repr``/``str`` describe the parameter (name, shape, dtype, "values on other ranks") without its values: a
+  debugger, a log line or an assertion message must not fail on it.
 Stages 1 and 2 keep every parameter whole: their parameters are never wrapped. The class swap costs a pointer
 write per parameter at each gather and release; inside forward and backward the parameters are their own class,
 so nothing is added to the hot path.
@@ -35,7 +47,9 @@ from torch import Tensor, nn
 
 from zero_strategy.core.flat.grad_reads import check_grad_read, is_grad_getter
 
-# What reads no values of a parameter: properties (their getter's name) and methods.
+# What reads no values of a parameter, and answers alike on every transport and as under DDP: properties (their
+# getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr`` and
+# ``storage_offset`` (see [Note: parameters outside forward]; ``untyped_storage`` is there on purpose).
 _METADATA_PROPERTIES = frozenset({
     "shape", "dtype", "device", "requires_grad", "grad", "_version", "is_leaf", "is_meta", "is_cuda", "is_cpu",
     "layout", "ndim", "names", "is_sparse", "is_quantized", "is_nested", "grad_fn", "_backward_hooks",
@@ -44,9 +58,9 @@ _METADATA_PROPERTIES = frozenset({
 _METADATA_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
 _METADATA_METHODS = frozenset({
     "numel", "nelement", "size", "dim", "element_size", "untyped_storage", "is_floating_point", "is_complex",
-    "stride", "storage_offset", "is_contiguous", "data_ptr", "get_device", "register_hook",
+    "stride", "is_contiguous", "get_device", "register_hook",
     "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "_is_view", "is_shared", "is_pinned",
-    "__len__", "__format__", "__repr__", "__dir__", "__sizeof__", "__bool__",
+    "__len__", "__format__", "__repr__", "__dir__", "__sizeof__",
 })
 
 
@@ -72,6 +86,15 @@ def _is_metadata(func: Callable[..., Any]) -> bool:
     return name in _METADATA_METHODS
 
 
+def _refused(name: str, what: str) -> ShardedParameterError:
+    return ShardedParameterError(
+        f"ZeRO stage 3: {name} was used ({what}) outside forward, where its values are on other ranks. Read "
+        "it inside `with trainer.strategy.gathered_parameters():` (Lightning) or `with "
+        "engine.gathered_parameters():` (every rank must enter it: it gathers), or call module.state_dict(), "
+        "which gathers; stages 1 and 2 keep parameters whole. See [Note: parameters outside forward]."
+    )
+
+
 class _Sharded:
     """Mixed in before a parameter's own class while its values are elsewhere (see [Note: parameters outside
     forward]); the parameter carries ``_zero_name`` and ``_zero_owner`` (a weak reference to its FlatParam)."""
@@ -86,14 +109,7 @@ class _Sharded:
                 check_grad_read(args[0], owner() if owner is not None else None, args[0].__dict__.get("_zero_name"))
             return value
         sharded = next((a for a in args if isinstance(a, _Sharded)), None)
-        name = getattr(sharded, "_zero_name", "a parameter")
-        _, what = _describe(func)
-        raise ShardedParameterError(
-            f"ZeRO stage 3: {name} was used ({what}) outside forward, where its values are on other ranks. Read "
-            "it inside `with trainer.strategy.gathered_parameters():` (Lightning) or `with "
-            "engine.gathered_parameters():` (every rank must enter it: it gathers), or call module.state_dict(), "
-            "which gathers; stages 1 and 2 keep parameters whole. See [Note: parameters outside forward]."
-        )
+        raise _refused(getattr(sharded, "_zero_name", "a parameter"), _describe(func)[1])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         owner = self._zero_owner()  # type: ignore[attr-defined]

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero_strategy.core.once import first_time
+
 WATCHED_KEY = "_zero_grad_reads"  # a watched parameter's (weak reference to its FlatParam, its name)
 
 
@@ -67,7 +69,6 @@ _ADVICE = (
     "calls it); for clipping use Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...), which "
     "clip by the global norm. See the README's 'Gradients under ZeRO'."
 )
-_warned_at: set[tuple[str, int, ModuleGrad]] = set()
 
 
 def is_grad_getter(func: Any) -> bool:
@@ -90,9 +91,8 @@ def check_grad_read(param: Any, owner: Any, name: str) -> None:
     if frame.f_code is nn.Module.zero_grad.__code__:  # reads only to clear it
         return
     site = (frame.f_code.co_filename, frame.f_lineno, kind)
-    if site in _warned_at:
+    if not first_time(("grad read", site)):  # once per line of the user's code (see [Note: once per process])
         return
-    _warned_at.add(site)
     if kind is ModuleGrad.ELSEWHERE:
         message = (
             f"ZeRO: {name}.grad is None here, but its gradient exists: it was averaged over the ranks into the "

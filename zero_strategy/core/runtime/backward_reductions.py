@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.runtime.owned_hook import ParameterHook
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.runtime.unit import ZeroUnit
 from zero_strategy.core.stage import ZeroStage
@@ -88,12 +88,12 @@ class BackwardReductions:
                 if not flat.trainable:
                     continue
                 if self.stage.reduces_every_microstep:
-                    handles += [param.register_post_accumulate_grad_hook(ParameterHook(self._grad_ready_at, u, f, i))
+                    handles += [param.register_post_accumulate_grad_hook(OwnedHook(self._grad_ready_at, u, f, i))
                                 for i, param in enumerate(flat.params)]  # fmt: skip
                 elif flat.full.dtype != torch.float32:
                     # stage 1 keeps gradients until the step; in low precision they go to an fp32 stash as they
                     # are produced, so accumulation over micro-steps happens in fp32, never in bf16/fp16
-                    handles += [param.register_post_accumulate_grad_hook(ParameterHook(self._stash_at, u, f, i))
+                    handles += [param.register_post_accumulate_grad_hook(OwnedHook(self._stash_at, u, f, i))
                                 for i, param in enumerate(flat.params)]  # fmt: skip
         return handles
 

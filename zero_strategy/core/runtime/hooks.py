@@ -27,7 +27,6 @@ its children, so calling any child gathers the whole unit and each child's outpu
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -174,7 +173,7 @@ class RuntimeHooks:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, unit))
+                    tensor.register_hook(OwnedHook(self._pre_backward, unit))
         # After a training forward the root and the last unit forward ran stay whole: backward needs them first,
         # and freeing them would only gather them again right away (the end of backward frees them).
         last = self._order_recorded and self.forward_order and unit is self.forward_order[-1]
@@ -219,7 +218,7 @@ class RuntimeHooks:
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, Tensor) and tensor.requires_grad:
-                tensor.register_hook(partial(self._pre_backward, unit))
+                tensor.register_hook(OwnedHook(self._pre_backward, unit))
 
     @staticmethod
     def _prefetch(order: list[ZeroUnit], unit: ZeroUnit, step: int) -> None:

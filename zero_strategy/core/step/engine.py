@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
 from zero_strategy.core.runtime.hooks import RuntimeHooks
+from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.stage import ZeroStage
 from zero_strategy.core.step.build import build_parts
@@ -132,7 +132,7 @@ class ZeroEngine:
         self._sync_buffers()
         for index, optimizer in enumerate(self.optimizers):
             flats = list(self.windows.flats_of(index))
-            bind_optimizer(optimizer, index, flats, partial(self.windows.on_zero_grad, index))
+            bind_optimizer(optimizer, index, flats, OwnedHook(self.windows.on_zero_grad, index))
             install_fused_steps(optimizer, config.fused_optimizer)
         self.state = EngineState.SHARDING
         self._released_full = False  # what the release left in the module (returned again by a second release)

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from zero_strategy.core.comm.comm import Comm, ReduceOp
 from zero_strategy.core.comm.streams import host_to_device
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.once import first_time
 
 Saved = list[tuple[Tensor, Tensor]]  # (view into a master piece or its state, copy to put back after the step)
 
@@ -90,15 +91,11 @@ def protect_unused(flats: Iterable[FlatParam], optimizer: Optimizer) -> Saved:
     return saved
 
 
-_warned: set[int] = set()
-
-
 def _warn_shared_step_counter(flat: FlatParam, inside: list[tuple[int, int]], offset: int) -> None:
     """Elements are put back exactly, but a per-tensor step counter (Adam's bias correction) is one per master
     piece: it advances for the unused parameters too, which torch would not do. Said once per FlatParam."""
-    if id(flat) in _warned:
+    if not first_time(("shared step counter", id(flat))):  # see [Note: once per process] in core/once.py
         return
-    _warned.add(id(flat))
     names = {o.name for o in flat.layout.overlaps(flat.rank)
              if any(o.shard_start < offset + hi and o.shard_start + o.numel > offset + lo for lo, hi in inside)}
     warnings.warn(
