@@ -66,6 +66,13 @@ class BenchOptions:
         if self.params not in PRESETS:
             raise ValueError(f"--params {self.params!r}: choose one of {sorted(PRESETS)}")
         unknown = [m for m in self.methods if m not in METHODS]
+        deepspeed_rows = [m for m in unknown if m.startswith("deepspeed_zero")]
+        if deepspeed_rows:  # registered only where DeepSpeed imports (bench_methods): say so, not "unknown"
+            raise ValueError(
+                f"--methods {','.join(deepspeed_rows)}: the DeepSpeed rows need DeepSpeed, which is not installed "
+                "here (it is no dependency of zero_strategy); run them from a virtualenv that has it (see the "
+                "README's Benchmark section)"
+            )
         if unknown or not self.methods:
             raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
         if self.reps < 1 or self.steps < 1 or self.warmup < 1 or self.world_size < 1:

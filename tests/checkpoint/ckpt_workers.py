@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers.compare import assert_state_close
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from torch import Tensor, nn
 
@@ -109,6 +110,4 @@ def train_and_save(rank: int, world: int, stage: int, steps: int, path: str, see
 def ranks_close(results: list[dict[str, Tensor]], final: dict[str, Tensor], what: str) -> None:
     """Every rank's state within 1e-5 (relative to each tensor's largest value) of ``final``."""
     for rank, got in enumerate(results):
-        for key, ref in final.items():
-            err = ((got[key] - ref).abs().max() / ref.abs().max()).item()
-            assert err <= 1e-5, f"{what} rank {rank}: {key} off by {err:.2e} (relative)"
+        assert_state_close(got, final, rel=1e-5, what=f"{what} rank {rank}")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_workers import GLOBAL_BATCH, INFO, build, full_state, make_optimizer, train_steps, trainer_state
+from helpers.compare import assert_state_close
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -125,12 +126,6 @@ def zero_resume_from_dcp(rank: int, world: int, stage: int, path: str, with_opti
 
 
 def assert_close(got: dict[str, Tensor], ref: dict[str, Tensor], tolerance: float, what: str) -> None:
-    """Same keys and shapes, every value finite, each tensor within ``tolerance`` of ``ref`` relative to its largest
-    value (a NaN fails here; helpers.models.max_rel_err lets one through, as ``nan > x`` is False)."""
-    assert got.keys() == ref.keys(), f"{what}: keys differ: {sorted(set(got) ^ set(ref))}"
-    for key, value in ref.items():
-        mine = got[key].float()
-        assert mine.shape == value.shape, f"{what}: {key} has shape {tuple(mine.shape)}, not {tuple(value.shape)}"
-        assert bool(torch.isfinite(mine).all()), f"{what}: {key} has non-finite values"
-        err = ((mine - value.float()).abs().max() / value.float().abs().max().clamp_min(1e-12)).item()
-        assert err <= tolerance, f"{what}: {key} differs by {err:.2e} (relative), limit {tolerance:.0e}"
+    """Same keys, shapes and dtypes, every value finite on both sides, each tensor within ``tolerance`` of ``ref``
+    relative to its largest value (helpers.compare, shared by every parity test)."""
+    assert_state_close(got, ref, rel=tolerance, what=what)

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from ckpt_models import LitNet, StartStepRecorder, every_n_steps, make_loader, top_k
+from helpers.compare import max_abs_err
 from helpers.launched import as_launched_rank
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors import safe_open
@@ -103,8 +104,8 @@ def plain_run(tmp_path_factory):
 
 
 def _max_abs_diff(got, ref) -> float:
-    assert list(got) == list(ref)
-    return max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
+    assert list(got) == list(ref), "keys or their order differ"
+    return max_abs_err(got, ref)[0]
 
 
 def _assert_identical(got, ref, what: str) -> None:

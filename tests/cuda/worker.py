@@ -126,8 +126,16 @@ def initial_state() -> dict[str, Tensor]:
 def assert_updates_match(got: dict[str, Tensor], expected: dict[str, Tensor], initial: dict[str, Tensor],
                          tolerance: float, what: str) -> None:  # fmt: skip
     """Every parameter's update ``got - initial`` equals ``expected - initial`` within ``tolerance`` of the largest
-    element of the expected update (see [Note: compare updates, not weights])."""
+    element of the expected update (see [Note: compare updates, not weights]). Keys must agree, shapes too, and
+    every value be finite: ``nan < tolerance`` is False, but an explicit check names the tensor and the side."""
+    # this script runs under torchrun without tests/ on the path, so it checks here what helpers.compare would
+    assert got.keys() == initial.keys() == expected.keys(), (
+        f"{what}: keys differ: got {sorted(got.keys() ^ initial.keys())}, "
+        f"reference {sorted(expected.keys() ^ initial.keys())} (against the initial state)")
     for key, start in initial.items():
+        for side, value in (("result", got[key]), ("reference", expected[key])):
+            assert value.shape == start.shape, f"{what}: {key}: the {side}'s shape {tuple(value.shape)}"
+            assert bool(torch.isfinite(value).all()), f"{what}: {key}: the {side} holds non-finite values"
         start = start.float().cpu()
         reference = expected[key].float().cpu() - start
         update = got[key].float().cpu() - start

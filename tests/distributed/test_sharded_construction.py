@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.compare import assert_state_close
 from helpers.meta_models import build
 from helpers.models import clone_state, lm_loss, make_batches, rank_slice
 from helpers.storage_meter import StoragePeakMeter
@@ -121,10 +122,8 @@ def test_meta_built_equals_eager_built(stage: int, world_size: int) -> None:
             assert result["held"].keys() == eager["held"].keys()
             for name, value in eager["held"].items():
                 assert torch.equal(result["held"][name], value), f"{what}: held tensor {name} differs"
-            for name, value in result["ddp"].items():
-                got = result["trained"][name].float()
-                err = ((got - value.float()).abs().max() / value.float().abs().max().clamp_min(1e-12)).item()
-                assert err <= 1e-5, f"{what}: {name} is {err:.1e} off DDP after {STEPS} SGD steps"
+            trained = result["trained"]
+            assert_state_close(trained, result["ddp"], rel=1e-5, what=f"{what} vs DDP after {STEPS} SGD steps")
             # one replay, holding at most 3 tensors' worth at once (measured), while the model is more than that
             assert len(result["peaks"]) == 1 and 0 < result["peaks"][0] <= 3 * largest, (what, result["peaks"])
         assert sum(v.numel() * v.element_size() for v in eager["initial"].values()) > 3 * largest, kind

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.compare import assert_state_close
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from helpers.storage import mapped_pages
 
@@ -180,10 +181,8 @@ def test_parameters_are_read_in_place_and_peers_pages_leave_after_use():
     reference = _single_process_training()
     for rank, result in enumerate(results):
         assert sorted(result["values"]) == sorted(n for n in reference if n.startswith("blocks.1.")), rank
-        for name, value in result["values"].items():
-            expected = reference[name]
-            error = ((value - expected).abs().max() / expected.abs().max()).item()
-            assert error <= 1e-5, f"rank {rank}: {name} is {error:.1e} off the single-process run"
+        expected = {name: reference[name] for name in result["values"]}
+        assert_state_close(result["values"], expected, rel=1e-5, what=f"rank {rank} vs the single-process run")
     assert results[0]["report"] == results[1]["report"]
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+# the parity comparisons live in helpers.compare; re-exported here for the tests that import them from models
+from helpers.compare import assert_state_close as assert_state_close
+from helpers.compare import max_rel_err as max_rel_err
+
 VOCAB = 11
 WIDTH = 15  # odd on purpose: every unit's flat buffer needs padding for world sizes 2 and 4
 SEQ = 6
@@ -70,20 +74,3 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
 
 def clone_state(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def max_rel_err(got: dict[str, Tensor], ref: dict[str, Tensor]) -> tuple[float, str]:
-    """Largest per-tensor ``max|got - ref| / max|ref|`` and the name of the worst tensor."""
-    assert got.keys() == ref.keys(), f"state_dict keys differ: {sorted(set(got) ^ set(ref))}"
-    worst, worst_name = 0.0, ""
-    for name, r in ref.items():
-        assert got[name].shape == r.shape, f"{name}: shape {tuple(got[name].shape)} != {tuple(r.shape)}"
-        err = ((got[name].float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, worst_name = err, name
-    return worst, worst_name
-
-
-def assert_state_close(got: dict[str, Tensor], ref: dict[str, Tensor], rel: float = 1e-5, what: str = "") -> None:
-    err, name = max_rel_err(got, ref)
-    assert err <= rel, f"{what}: {name} differs from the reference by {err:.2e} (relative), limit {rel:.0e}"

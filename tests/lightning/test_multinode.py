@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import assert_state_close
 
 from zero_strategy.testing import free_port
 
@@ -83,9 +84,7 @@ def _assert_parity_and_two_nodes(out: Path, env_name: str) -> None:
         assert (zero["env"], zero["num_nodes"], zero["nodes"]) == (env_name, 2, 2)
         assert (zero["shard_world"], zero["replicas"]) == (2, 2), "shard groups of one node, replicated"
         assert zero["links"]["inter_node"] > 0 and zero["links"]["intra_node"] > 0
-        for name, ref in ddp["state"].items():
-            err = ((zero["state"][name] - ref).abs().max() / ref.abs().max()).item()
-            assert err <= 1e-5, f"{env_name} rank {rank}: {name} differs from DDP by {err:.1e} (relative)"
+        assert_state_close(zero["state"], ddp["state"], rel=1e-5, what=f"{env_name} rank {rank} vs DDP")
         assert any(not torch.equal(ddp["state"][k], ddp["initial"][k]) for k in ddp["state"]), "training moved nothing"
 
 
@@ -113,6 +112,4 @@ def test_slurm_variables_two_nodes_match_ddp(tmp_path: Path) -> None:
     for rank in range(4):  # hierarchical stage 3 through Lightning: nodes from SLURM's variables, parity with DDP
         ddp, hier = torch.load(tmp_path / f"ddp_rank{rank}.pt"), torch.load(tmp_path / f"hierarchical_rank{rank}.pt")
         assert (hier["nodes"], hier["shard_world"], hier["param_group"]) == (2, 4, 2)
-        for name, ref in ddp["state"].items():
-            err = ((hier["state"][name] - ref).abs().max() / ref.abs().max()).item()
-            assert err <= 1e-5, f"hierarchical rank {rank}: {name} differs from DDP by {err:.1e} (relative)"
+        assert_state_close(hier["state"], ddp["state"], rel=1e-5, what=f"hierarchical rank {rank} vs DDP")

@@ -1,7 +1,7 @@
 """Each launcher goes through the strategy's own process-group set-up (``setup_environment`` ->
 ``init_process_group``): the group gets the configured timeout, and it is gone when the rank's process ends (torn
 down by the strategy's exit handler where the group outlives fit, see [Note: destroying the process group at exit]
-in zero_strategy/fabric/exit_teardown.py; by teardown under spawn). Launchers: the forked harness as torchrun
+in zero_strategy/core/comm/exit_teardown.py; by teardown under spawn). Launchers: the forked harness as torchrun
 (Trainer and Fabric), Lightning's subprocess launcher (a script run once per rank) and its spawn launcher.
 
 Each rank registers an exit observer before the strategy registers its handler, so the observer runs after it

@@ -11,11 +11,11 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from helpers.compare import assert_same_keys, assert_state_close, rel_diff
 from helpers.launched import as_launched_rank
 from helpers.lit import train_loader, trainer_kwargs, val_loader
 from helpers.lit_meta import ConfiguredLM, LoadsInConfigureModel, MetricsOnlyInConfigureModel, SeededWithMetrics
 from helpers.meta_models import TransformerLM
-from helpers.models import assert_state_close
 from safetensors.torch import save_file
 
 import zero_strategy
@@ -78,10 +78,6 @@ def fit_and_validate_each(rank: int, world_size: int, runs: tuple[tuple[str, str
     return out
 
 
-def _close(got: float, ref: float) -> bool:
-    return abs(got - ref) <= 1e-5 * max(abs(ref), 1.0)
-
-
 def _assert_like_ddp(got: dict, ddp: dict, what: str) -> None:
     for name, value in ddp["setup"].items():
         assert torch.equal(got["setup"][name], value), f"{what}: {name} differs from DDP's after setup"
@@ -94,9 +90,10 @@ def _assert_like_ddp(got: dict, ddp: dict, what: str) -> None:
         assert torch.equal(got["generators_at_validate"], ddp["generators_at_validate"]), f"{what}: at validate"
     assert_state_close(got["trained"], ddp["trained"], what=f"{what}, trained")
     for results in ("fitted", "validated"):
-        assert got[results].keys() == ddp[results].keys(), (what, results)
+        assert_same_keys(got[results], ddp[results], f"{what}, {results}")
         for name, value in ddp[results].items():
-            assert _close(got[results][name], value), f"{what}: {results} {name} {got[results][name]} != {value}"
+            err = rel_diff(got[results][name], value, f"{what}: {results} {name}")
+            assert err <= 1e-5, f"{what}: {results} {name} {got[results][name]} != {value}"
     assert got["val_batches"] == ddp["val_batches"], f"{what}: the plain counter tensor differs from DDP's"
     for name, state in got["states"].items():
         reference = ddp["states"][name]

@@ -70,8 +70,8 @@ def fit_both(rank: int, world: int) -> dict[str, Any]:
     try:
         fit(DS, world, batch_size=3)
         out["mismatch"] = "no error"
-    except Exception as error:
-        out["mismatch"] = str(error)
+    except Exception as error:  # any exception is recorded; the test checks it is the named one
+        out["mismatch"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -88,7 +88,17 @@ def test_deepspeed_config_reaches_strategy_precision_and_trainer(runs: list[dict
 
 @pytest.mark.timeout(120)  # both fits on 2 ranks, once for the two tests: 0.3 s measured
 def test_batch_mismatch_with_the_dataloader_fails_with_all_numbers(runs: list[dict[str, Any]]) -> None:
-    for run in runs:
+    """DataLoader batch 3 on 2 ranks, no accumulation, against train_batch_size 8 and micro batch 4: the error
+    names each of the four numbers with where it came from, the product, and the conflicting micro batch."""
+    for rank, run in enumerate(runs):
         message = run["mismatch"]
-        assert "train_batch_size" in message, message
-        assert "8" in message and "3" in message
+        assert message.startswith("DeepSpeedConfigError: "), f"rank {rank}: not the batch error: {message}"
+        for line in (
+            "train_batch_size = 8  (from <dict> \"train_batch_size\")",
+            "train_micro_batch_size_per_gpu = 3  (from the DataLoader's batch_size)",
+            "gradient_accumulation_steps = 1  (from Trainer(accumulate_grad_batches))",
+            "world_size = 2  (from the Trainer: devices * num_nodes)",
+            "3 * 1 * 2 = 6, not 8",
+            '<dict> "train_micro_batch_size_per_gpu" is 4, not 3',
+        ):
+            assert line in message, f"rank {rank}: the error does not say {line!r}:\n{message}"

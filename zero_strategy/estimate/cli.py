@@ -1,7 +1,6 @@
-"""The ``zero-estimate`` front end: command-line parsing, the GiB table and the optional stacked-bar chart.
+"""The ``zero-estimate`` front end: command-line parsing and the GiB tables (the optional chart: :mod:`.chart`).
 
-Apart from :mod:`zero_strategy.estimate.memory` so the arithmetic stays small and importable on its own; matplotlib
-is imported only when a chart is asked for (it is not a dependency of the package).
+Apart from :mod:`zero_strategy.estimate.memory` so the arithmetic stays small and importable on its own.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from typing import Any
 from torch import nn
 
 from zero_strategy.core.plan.topology import Topology
+from zero_strategy.estimate.chart import plot_estimates, require_matplotlib
 from zero_strategy.estimate.fit import GPTFamily, Largest, Machine, Peaks, compare_peaks, largest_fitting, parse_family
-from zero_strategy.estimate.memory import CONFIGURATIONS, OPTIMIZER_STATE_BYTES, MemoryEstimate, first_fitting
+from zero_strategy.estimate.memory import CONFIGURATIONS, OPTIMIZER_STATE_BYTES, MemoryEstimate
 from zero_strategy.estimate.model_spec import load_model
 from zero_strategy.estimate.network import estimate_traffic, format_traffic
 
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--device-memory", type=parse_bytes, help="memory of one GPU: 80GB, 40GiB")
-    parser.add_argument("--host-memory", type=parse_bytes, help="host memory of one node, shared by its GPUs")
+    parser.add_argument("--host-memory", type=parse_bytes, help="the same as --ram (either name; both must agree)")
     parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: min(8, world size))")
     parser.add_argument("--largest-unit-params", type=parse_count, help="elements of the largest unit (a block)")
     parser.add_argument("--root-unit-params", type=parse_count, help="elements of the root unit (embeddings, head)")
@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, help="nodes: also predict bytes per link and communication time per step")
     parser.add_argument("--intra-gbps", type=float, default=100.0, help="bandwidth inside a node, Gbit/s per rank")
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="bandwidth across nodes, Gbit/s per rank")
-    parser.add_argument("--ram", type=parse_bytes, help="RAM of one node, shared by its ranks; without "
-                        "--device-memory the ranks compute on CPUs (their device bytes are RAM)")
+    parser.add_argument("--ram", type=parse_bytes, help="RAM (host memory) of one node, shared by its ranks; "
+                        "without --device-memory the ranks compute on CPUs (their device bytes are RAM)")
     parser.add_argument("--disk", type=parse_bytes, help="free space of the nvme path on one node")
     parser.add_argument("--largest", action="store_true", help="the largest model each configuration fits into "
                         "--ram/--disk/--device-memory (15%% headroom): of --family, else a bare parameter count")
@@ -121,9 +121,19 @@ def _largest(args: argparse.Namespace) -> str:
     return format_largest(results, machine, family, args.world_size)
 
 
+def _one_host_memory(args: argparse.Namespace) -> float | None:
+    """``--ram`` and ``--host-memory`` name one setting, the RAM of one node: both tables judge fits by it."""
+    if args.ram is not None and args.host_memory is not None and args.ram != args.host_memory:
+        raise SystemExit(f"zero-estimate: --ram ({args.ram / GiB:.1f} GiB) and --host-memory "
+                         f"({args.host_memory / GiB:.1f} GiB) are the same setting, the RAM of one node shared by "
+                         "its ranks, and they disagree: give one of them")
+    return args.ram if args.ram is not None else args.host_memory
+
+
 def main(argv: list[str] | None = None) -> int:
     """``zero-estimate`` (and ``python -m zero_strategy.estimate``): print the table, optionally draw the chart."""
     args = _parser().parse_args(argv)
+    args.ram = _one_host_memory(args)
     if args.nodes is not None:
         args.gpus_per_node = args.gpus_per_node or 1
         args.world_size = args.nodes * args.gpus_per_node
@@ -140,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         raise SystemExit(f"zero-estimate: {error}") from None
     estimates = [p.estimate for p in peaks]
-    host_per_rank = None
-    if args.host_memory is not None:
-        host_per_rank = args.host_memory / (args.gpus_per_node or min(8, args.world_size))
-    machine = _machine(args) if args.ram or args.device_memory else None
-    print(format_report(estimates, args.device_memory, host_per_rank))
+    # One machine, one verdict per configuration: the first table's fits column is the second's (its set-up and
+    # training peaks against the same RAM, disk and device memory), so the two can never disagree.
+    machine = _machine(args) if args.ram is not None or args.device_memory is not None else None
+    fits = [machine.fits(p) for p in peaks] if machine is not None else None
+    print(format_report(estimates, machine, fits))
     print("\n" + format_peaks(peaks, machine))
     options = _options(args)
     if options["compute_device"] == "cpu" and args.world_size > 1 and args.collectives == "auto":
@@ -238,19 +248,31 @@ def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
     return "  ".join([cells[0].ljust(widths[0]), *padded[1:]])
 
 
-def format_table(
-    estimates: Sequence[MemoryEstimate], device_memory: float | None = None, host_per_rank: float | None = None
-) -> str:
-    """One row per configuration: device bytes by category, then device/host/nvme totals, in GiB per rank."""
+def describe_machine(machine: Machine) -> str:
+    """The budget a fits verdict is judged against, in words."""
+    if machine.device_memory is not None:
+        text = f"{machine.device_memory / 1e9:.0f} GB ({machine.device_memory / GiB:.1f} GiB) per device"
+    else:
+        text = "CPU ranks"
+    node = [f"{name} {value / GiB:.0f} GiB" for name, value in (("RAM", machine.ram), ("disk", machine.disk))
+            if value is not None]  # fmt: skip
+    if node:
+        text += f", {' and '.join(node)} per node shared by {machine.ranks_per_node} ranks"
+    return text + f", {machine.headroom:.0%} of each kept free"
+
+
+def format_table(estimates: Sequence[MemoryEstimate], fits: Sequence[bool] | None = None) -> str:
+    """One row per configuration: device bytes by category, then device/host/nvme totals, in GiB per rank; with
+    ``fits``, each configuration's verdict (:meth:`Machine.fits` of its peaks)."""
     header = ["configuration", "params", "master", "grads", "optim", "comm", "activ", "DEVICE", "host", "nvme"]
-    if device_memory is not None:
+    if fits is not None:
         header.append("fits")
     rows = []
-    for e in estimates:
+    for index, e in enumerate(estimates):
         cells = [e.label] + [_gib(p.device) for p in e.categories.values()]
         cells += [_gib(e.total.device), _gib(e.total.host), _gib(e.total.nvme)]
-        if device_memory is not None:
-            cells.append("yes" if e.fits(device_memory, host_per_rank) else "no")
+        if fits is not None:
+            cells.append("yes" if fits[index] else "no")
         rows.append(cells)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [_row(header, widths), _row(["-" * w for w in widths], widths)]
@@ -258,74 +280,34 @@ def format_table(
 
 
 def format_report(
-    estimates: Sequence[MemoryEstimate], device_memory: float | None = None, host_per_rank: float | None = None
+    estimates: Sequence[MemoryEstimate], machine: Machine | None = None, fits: Sequence[bool] | None = None
 ) -> str:
-    """The table, the cheapest configuration that fits, and the assumptions behind the numbers."""
+    """The table, the cheapest configuration that fits ``machine`` (``fits``: one verdict per estimate, from
+    :meth:`Machine.fits`), and the assumptions behind the numbers."""
     first = estimates[0]
     lines = [
         f"ZeRO memory per rank (GiB): {first.num_params / 1e9:.3g}B parameters, {first.world_size} ranks, "
         f"{first.precision}, {first.optimizer}. Columns params..activ are on the device.",
         "",
-        format_table(estimates, device_memory, host_per_rank),
+        format_table(estimates, fits),
         "",
     ]
-    if device_memory is not None:
-        best = first_fitting(estimates, device_memory, host_per_rank)
-        budget = f"{device_memory / 1e9:.0f} GB ({device_memory / GiB:.1f} GiB) per device"
-        if host_per_rank is not None:
-            budget += f" and {host_per_rank / GiB:.0f} GiB host memory per rank"
+    if machine is not None and fits is not None:
+        budget = describe_machine(machine)
+        best = next((e for e, fit in zip(estimates, fits, strict=True) if fit), None)
         if best is None:
             lines.append(f"Nothing fits in {budget}: use more ranks, a smaller model or shorter sequences.")
         else:
             lines.append(f"Smallest that fits in {budget}: {best.label} — device {_gib(best.total.device)} GiB, "
                          f"host {_gib(best.total.host)} GiB, nvme {_gib(best.total.nvme)} GiB per rank.")
+        if machine.disk is None and any(e.offload_optimizer == "nvme" for e in estimates):
+            lines.append("The nvme configurations need --disk (free space of the nvme path on one node) to fit.")
         lines.append("")
     notes = dict.fromkeys(note for e in estimates for note in e.notes)
     lines.append("Notes:")
     lines += [f"- {note}" for note in notes]
     lines.append("- not included: CUDA context and allocator fragmentation (keep a few GiB spare)")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------- chart
-def require_matplotlib() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("zero-estimate --plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")  # files only, no display needed
-    return matplotlib
-
-
-def plot_estimates(estimates: Sequence[MemoryEstimate], path: str, device_memory: float | None = None) -> None:
-    """Stacked bars of device GiB per configuration (one colour per category), host+nvme bars beside them."""
-    require_matplotlib()
-    import matplotlib.pyplot as plt
-
-    labels = [e.label for e in estimates]
-    positions = range(len(estimates))
-    figure, (device_axis, host_axis) = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
-    for axis, place in ((device_axis, "device"), (host_axis, "host")):
-        bottom = [0.0] * len(estimates)
-        for name in estimates[0].categories:
-            values = [getattr(e.categories[name], place) / GiB for e in estimates]
-            axis.bar(positions, values, bottom=bottom, label=name)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        if place == "host":
-            values = [e.total.nvme / GiB for e in estimates]
-            axis.bar(positions, values, bottom=bottom, label="nvme files", hatch="//", color="lightgrey")
-        axis.set_xticks(list(positions), labels, rotation=45, ha="right")
-        axis.set_ylabel("GiB per rank")
-        axis.set_title(f"{place} memory" + (" (+ nvme files)" if place == "host" else ""))
-    if device_memory is not None:
-        device_axis.axhline(device_memory / GiB, color="black", linestyle="--", label="device memory")
-    device_axis.legend()
-    first = estimates[0]
-    figure.suptitle(f"{first.num_params / 1e9:.3g}B parameters, {first.world_size} ranks, {first.precision}, "
-                    f"{first.optimizer}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 if __name__ == "__main__":
