@@ -29,12 +29,12 @@ from torch.utils.data import DataLoader, TensorDataset
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-import zero_strategy.checkpoint.hf_export as hf_export_module  # noqa: E402
+import zero_strategy.checkpoint.export.hf_export as hf_export_module  # noqa: E402
 from zero_strategy import ZeroStrategy  # noqa: E402
-from zero_strategy.checkpoint.__main__ import main as zero_to_fp32  # noqa: E402
-from zero_strategy.checkpoint.hf_export import consolidate_hf  # noqa: E402
-from zero_strategy.checkpoint.hf_layout import HfExportError, KeyMap, parse_size  # noqa: E402
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded  # noqa: E402
+from zero_strategy.checkpoint.export.cli import main as zero_to_fp32  # noqa: E402
+from zero_strategy.checkpoint.export.hf_export import consolidate_hf  # noqa: E402
+from zero_strategy.checkpoint.export.hf_layout import HfExportError, KeyMap, parse_size  # noqa: E402
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded  # noqa: E402
 from zero_strategy.config import ZeroConfig  # noqa: E402
 from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
 
@@ -378,8 +378,8 @@ def test_unreadable_sizes_are_refused(size, problem):
 # ------------------------------------------------------------------------------------------------ memory
 RSS_DRIVER = """
 import json, sys
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.hf_export import consolidate_hf
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.export.hf_export import consolidate_hf
 from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):

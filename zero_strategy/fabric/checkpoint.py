@@ -3,7 +3,7 @@
 [Note: what a Fabric checkpoint holds]
 Fabric's state is a dict of modules, optimizers, stateful objects (``state_dict``/``load_state_dict``: LR
 schedulers, stateful data loaders) and plain values. By default ``fabric.save(path, state)`` writes this package's
-sharded directory (checkpoint/format.py): the set-up module's master slices and, when the state holds its
+sharded directory (checkpoint/base/format.py): the set-up module's master slices and, when the state holds its
 optimizers, their state, one shard per rank, nothing gathered; the other entries, the keys that name the module
 and the optimizers, and the loss scaler go into its trainer-state file. ``fabric.load(path, state, strict)`` reads
 it at any world size and stage (by parameter name and element range) and restores each entry in place;
@@ -29,12 +29,12 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
-from zero_strategy.checkpoint.pretrained import open_pretrained
-from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.pretrained.keys import alias_groups, expected_shapes, match_keys
+from zero_strategy.checkpoint.pretrained.open import open_pretrained
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.core.init.materialize import Pretrained, load_pretrained
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.fabric.full_state import full_optimizer_state, full_weights, load_full_optimizer_state

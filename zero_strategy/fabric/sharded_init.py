@@ -11,14 +11,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from zero_strategy.checkpoint.pretrained import (
+from zero_strategy.checkpoint.pretrained.keys import alias_groups, expected_shapes, match_keys
+from zero_strategy.checkpoint.pretrained.open import (
     PendingLoad,
     PretrainedSource,
     forget_pending,
     open_pretrained,
     pending_loads,
 )
-from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import MetaInit, ZeroConfig
 from zero_strategy.core.init import Recording, materialize_module, record_construction, record_resets
 from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader, meta_names

@@ -1,6 +1,6 @@
 """A checkpoint read under other parameter names: what a Lightning ``on_load_checkpoint`` hook asked for when it
 renamed or dropped keys of the state dict it was given (see [Note: the state dict in Lightning's hooks] in
-lightning/hook_state_dict.py). Loading (checkpoint/load.py) reads it like the checkpoint itself."""
+lightning/hook_state_dict.py). Loading (checkpoint/sharded/load.py) reads it like the checkpoint itself."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import FlatEntry, ParamEntry
-from zero_strategy.checkpoint.source import ReadableCheckpoint
+from zero_strategy.checkpoint.base.format import FlatEntry, ParamEntry
+from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 
 
 class RenamedCheckpoint:

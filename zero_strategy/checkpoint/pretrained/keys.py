@@ -23,7 +23,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
 
 KeyMap = str | Mapping[str, str | None] | Callable[[str], str | None] | None
 PREFIX_RULE_WORDS = frozenset({"strip_prefix", "add_prefix"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import CheckpointFormat
 from zero_strategy.core.step.engine import ZeroEngine
 
@@ -19,7 +19,7 @@ def save_checkpoint_as(
 ) -> None:
     """Collective: write ``engine``'s state and ``trainer_state`` at ``path`` in ``checkpoint_format``."""
     if checkpoint_format is CheckpointFormat.dcp:
-        from zero_strategy.checkpoint.dcp_save import save_dcp  # torch's DCP modules load only when used
+        from zero_strategy.checkpoint.dcp.save import save_dcp  # torch's DCP modules load only when used
 
         save_dcp(engine, path, trainer_state, info)
     else:

@@ -3,8 +3,8 @@ directory by one process, without gathering anything.
 
 Each rank's shard of each parameter (and of its optimizer state) becomes the boxes of that slice (see boxes.py);
 one box is read from the shard files at a time, when DCP writes it, and dropped before the next (see [Note: DCP
-writes that hold one box and survive a crash] in dcp_storage.py), so memory stays near one tensor whatever the
-model's size. The key layout is [Note: DCP key layout] in dcp_content.py. Importable without Lightning.
+writes that hold one box and survive a crash] in checkpoint/dcp/storage.py), so memory stays near one tensor whatever the
+model's size. The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py. Importable without Lightning.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zero_strategy.checkpoint.dcp_content import (
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, PARAM_GROUPS_KEY, FlatEntry, ParamEntry
+from zero_strategy.checkpoint.dcp.content import (
     INFO,
     MODEL,
     OURS,
@@ -30,11 +31,10 @@ from zero_strategy.checkpoint.dcp_content import (
     rng_record,
     to_bytes,
 )
-from zero_strategy.checkpoint.dcp_planner import ChunkedSavePlanner, ChunkedTensor
-from zero_strategy.checkpoint.dcp_storage import StreamingFileWriter, discard_dcp, plan_dcp_staging, publish_dcp
-from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, FlatEntry, ParamEntry
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.shard_content import scalar_value
+from zero_strategy.checkpoint.dcp.planner import ChunkedSavePlanner, ChunkedTensor
+from zero_strategy.checkpoint.dcp.storage import StreamingFileWriter, discard_dcp, plan_dcp_staging, publish_dcp
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.shard_content import scalar_value
 
 _CPU = torch.device("cpu")
 

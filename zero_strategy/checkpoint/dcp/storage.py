@@ -9,7 +9,7 @@ its format) and replaces only ``write_data``: items are resolved one at a time, 
 (``torch.save`` records at recorded offsets, read back by torch's own ``FileSystemReader``) and dropped before the
 next, so a writer holds one box.
 
-Publishing mirrors our own format (see [Note: checkpoint layout] in format.py). A new checkpoint is written into
+Publishing mirrors our own format (see [Note: checkpoint layout] in checkpoint/base/format.py). A new checkpoint is written into
 a hidden sibling ``.NAME.partial-<id>`` and renamed to ``NAME`` after every rank finished. A DCP checkpoint that
 already exists at ``NAME`` (``last.ckpt`` overwritten by ``ModelCheckpoint``) is updated in place: the new data
 files carry this save's id in their names, so they never touch the old ones; torch writes the new ``.metadata``
@@ -36,14 +36,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from zero_strategy.checkpoint.dcp_paths import (
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, CheckpointError, fsync_directory
+from zero_strategy.checkpoint.dcp.paths import (
     DATA_SUFFIX,
     LIGHTNING_META_NAME,
     METADATA_NAME,
     data_file_name,
     is_dcp_directory,
 )
-from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError, fsync_directory
 
 
 @dataclass(frozen=True, slots=True)

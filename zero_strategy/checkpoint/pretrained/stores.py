@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, TRAINER_STATE_NAME, CheckpointError
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.safetensors_io import CODE_DTYPES, SafetensorsReader
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, TRAINER_STATE_NAME, CheckpointError
+from zero_strategy.checkpoint.base.safetensors_io import CODE_DTYPES, SafetensorsReader
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

@@ -3,7 +3,7 @@
 Per-element optimizer state (``exp_avg``, ``momentum_buffer``, ...) is stored shard-aligned — one tensor of the
 shard's length per FlatParam, optimizer and state name (a FlatParam two optimizers step has two of each) — so a
 reader finds any parameter's state at the same offsets as its weights. Per-piece scalars (Adam's ``step``) go to
-the file's JSON metadata with the piece and the optimizer they belong to (see [Note: format versions] in format.py).
+the file's JSON metadata with the piece and the optimizer they belong to (see [Note: format versions] in checkpoint/base/format.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import state_name
+from zero_strategy.checkpoint.base.format import state_name
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.step.engine import ZeroEngine
 

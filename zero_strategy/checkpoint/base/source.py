@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import FlatEntry, ParamEntry
+from zero_strategy.checkpoint.base.format import FlatEntry, ParamEntry
 
 
 class ReadableCheckpoint(Protocol):

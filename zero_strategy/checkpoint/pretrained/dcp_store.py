@@ -1,6 +1,6 @@
 """Pretrained weights from a ``torch.distributed.checkpoint`` directory (FSDP2, torchtitan, Lightning's
 FSDPStrategy / ModelParallelStrategy, or our own DCP checkpoints): the model's tensors under their state_dict keys
-(see [Note: reading other tools' DCP layouts] in dcp_keys.py), each element range read from the stored chunks it
+(see [Note: reading other tools' DCP layouts] in checkpoint/dcp/keys.py), each element range read from the stored chunks it
 overlaps only."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
-from zero_strategy.checkpoint.pretrained_stores import TensorStore
+from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
+from zero_strategy.checkpoint.pretrained.stores import TensorStore
 
 
 class DcpStore(TensorStore):

@@ -1,7 +1,7 @@
 """Loading a sharded checkpoint into a sharded engine: any world size, any stage, any unit layout.
 
 ``load_weights``, ``load_optimizer_state`` and ``restore_rank_rng`` read through :class:`ReadableCheckpoint`, so a
-``torch.distributed.checkpoint`` directory (dcp_reader.py) loads through the same code as our own format.
+``torch.distributed.checkpoint`` directory (checkpoint/dcp/reader.py) loads through the same code as our own format.
 
 Every check runs before the first tensor is written, so a checkpoint that does not fit leaves the model and the
 optimizers exactly as they were.
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zero_strategy.checkpoint.format import CheckpointError
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.rng import restore_rng
-from zero_strategy.checkpoint.shard_content import scalar_value
-from zero_strategy.checkpoint.source import ReadableCheckpoint
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.rng import restore_rng
+from zero_strategy.checkpoint.base.source import ReadableCheckpoint
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.shard_content import scalar_value
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
@@ -129,7 +129,7 @@ def _place_step_counters(optimizer: torch.optim.Optimizer, piece: nn.Parameter, 
     """A tensor ``step`` counter stays on the CPU unless the piece's param group is ``capturable`` or ``fused``, as
     torch's own ``Optimizer.load_state_dict`` places it: a non-capturable Adam reads it on the host every step, so a
     counter on the GPU would cost a device-to-host synchronisation per step. (The fused steps this package turns on
-    move it to the device themselves, just before a fused step: see _step_state_to_device in core/optimizer.py.)"""
+    move it to the device themselves, just before a fused step: see _step_state_to_device in core/step/optimizer.py.)"""
     step = state.get("step")
     if not isinstance(step, torch.Tensor):
         return
@@ -183,7 +183,7 @@ def _piece_state(
 
 def restore_rank_rng(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> bool:
     """Restore the generator states that the rank at this rank's position in the saving run saved (False, and this
-    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in rng.py."""
+    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in checkpoint/base/rng.py."""
     saved = ckpt.rng_state(engine.comms.everyone.rank)  # its position among every rank of the run
     if saved is None:
         return False

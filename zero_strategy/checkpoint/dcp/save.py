@@ -2,12 +2,12 @@
 every rank writes the boxes of its own slices through DCP's collective save; nothing is gathered.
 
 Sequence (as in save.py): rank 0 picks where this save writes (a hidden sibling, or the existing DCP checkpoint's
-directory, see dcp_storage.py) and tells every rank; the ranks agree on which optimizer states exist (every rank
+directory, see checkpoint/dcp/storage.py) and tells every rank; the ranks agree on which optimizer states exist (every rank
 must cut the same tensors into boxes, or the boxes would not tile them: a piece never stepped has no state on its
 rank); DCP's collective save writes every rank's file and, once all succeeded, ``.metadata``; rank 0 publishes.
 A failure anywhere is raised on every rank, after the save's leftovers were removed; the previous checkpoint at
 the path is untouched. With hybrid sharding the replicas' ranks take part in the collectives but write no boxes
-(they hold the first shard group's slices). The key layout is [Note: DCP key layout] in dcp_content.py.
+(they hold the first shard group's slices). The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.dcp_content import (
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.rng import capture_rng
+from zero_strategy.checkpoint.dcp.content import (
     INFO,
     MODEL,
     OURS,
@@ -35,17 +37,15 @@ from zero_strategy.checkpoint.dcp_content import (
     rng_record,
     to_bytes,
 )
-from zero_strategy.checkpoint.dcp_planner import ChunkedSavePlanner, ChunkedTensor
-from zero_strategy.checkpoint.dcp_storage import (
+from zero_strategy.checkpoint.dcp.planner import ChunkedSavePlanner, ChunkedTensor
+from zero_strategy.checkpoint.dcp.storage import (
     DcpStaging,
     StreamingFileWriter,
     discard_dcp,
     plan_dcp_staging,
     publish_dcp,
 )
-from zero_strategy.checkpoint.format import CheckpointError
-from zero_strategy.checkpoint.rng import capture_rng
-from zero_strategy.checkpoint.save import SaveInfo
+from zero_strategy.checkpoint.sharded.save import SaveInfo
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.plan.layout import SliceOverlap
 from zero_strategy.core.step.engine import ZeroEngine
@@ -101,7 +101,7 @@ def save_dcp(engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[st
 
 def _write(staging: DcpStaging, content: dict[str, Any], everyone: Comm) -> str | None:
     """DCP's collective save over ``everyone``'s process group; one writer alone (a module no engine holds, see
-    module_snapshot.py) saves without any group, whatever the world."""
+    checkpoint/sharded/module_snapshot.py) saves without any group, whatever the world."""
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it saves from one process: it does
             warnings.filterwarnings("ignore", message=".*single process.*")

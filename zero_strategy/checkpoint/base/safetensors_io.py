@@ -18,7 +18,11 @@ from typing import BinaryIO
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
+
+READ_CHUNK_BYTES = 2**20
+"""Largest piece of a tensor read from a file at once, by consolidation and pretrained loading (see [Note:
+streaming consolidation] in checkpoint/export/consolidate.py)."""
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -65,7 +69,7 @@ def write_safetensors(
         handle.write(encoded)
         # Pulled with next() and dropped after writing, not zipped: zip's reused result tuple (and a loop variable)
         # would keep the previous tensor alive while the next one is produced, two tensors in memory instead of one
-        # (see [Note: streaming consolidation] in consolidate.py).
+        # (see [Note: streaming consolidation] in checkpoint/export/consolidate.py).
         pending = iter(tensors)
         for name, dtype, shape in named_specs:
             tensor = next(pending, None)

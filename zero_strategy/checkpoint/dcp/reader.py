@@ -1,7 +1,7 @@
 """Reading a ``torch.distributed.checkpoint`` directory by parameter name and element range — ours, FSDP2's,
-Lightning's or torchtitan's (see [Note: reading other tools' DCP layouts] in dcp_keys.py).
+Lightning's or torchtitan's (see [Note: reading other tools' DCP layouts] in checkpoint/dcp/keys.py).
 
-:class:`DcpCheckpoint` answers the questions checkpoint/load.py asks of our own ``ShardedCheckpoint``: elements
+:class:`DcpCheckpoint` answers the questions checkpoint/sharded/load.py asks of our own ``ShardedCheckpoint``: elements
 ``[start, start + count)`` of parameter NAME's weights or of one of its optimizer states (``read_param``), the
 state names and scalar state (``step``) of a parameter, a rank's RNG state, the trainer state. A range is cut into
 boxes (boxes.py) and each box is filled from the stored chunks it intersects, through torch's own
@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from zero_strategy.checkpoint.boxes import range_boxes
-from zero_strategy.checkpoint.dcp_content import INFO, OURS, PARAMS, RNG, TRAINER_STATE, from_bytes
-from zero_strategy.checkpoint.dcp_keys import DcpKeys, OptimizerKeys, find_keys
-from zero_strategy.checkpoint.dcp_paths import LIGHTNING_META_NAME, METADATA_NAME
-from zero_strategy.checkpoint.format import CheckpointError, FlatEntry, ParamEntry
+from zero_strategy.checkpoint.base.format import CheckpointError, FlatEntry, ParamEntry
+from zero_strategy.checkpoint.dcp.boxes import range_boxes
+from zero_strategy.checkpoint.dcp.content import INFO, OURS, PARAMS, RNG, TRAINER_STATE, from_bytes
+from zero_strategy.checkpoint.dcp.keys import DcpKeys, OptimizerKeys, find_keys
+from zero_strategy.checkpoint.dcp.paths import LIGHTNING_META_NAME, METADATA_NAME
 
 WEIGHTS = "flat"  # ``tensor_of`` for a parameter's weights, as ShardedCheckpoint.read_param names it
 
@@ -115,7 +115,7 @@ class DcpCheckpoint:
     def _state_of(self, name: str, optimizer: int | None) -> dict[str, str]:
         """{state name: stored key} of parameter ``name``'s state in optimizer ``optimizer`` (None: whichever
         optimizer holds it), from the one root that serves that optimizer and holds it (see [Note: reading other
-        tools' DCP layouts] in dcp_keys.py); empty when there is none."""
+        tools' DCP layouts] in checkpoint/dcp/keys.py); empty when there is none."""
         roots = [keys for keys in self.keys.optimizers if name in keys.state]
         if optimizer is not None:
             own = [keys for keys in roots if keys.serves == optimizer]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zero_strategy.checkpoint.dcp_content import OURS, PARAM_GROUPS, PARAMS, STATE
+from zero_strategy.checkpoint.dcp.content import OURS, PARAM_GROUPS, PARAMS, STATE
 
 MODEL_PREFIXES = ("model.", "state_dict.", "")
 

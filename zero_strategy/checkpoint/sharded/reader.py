@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import (
+from zero_strategy.checkpoint.base.format import (
     MANIFEST_NAME,
     TRAINER_STATE_NAME,
     CheckpointError,
@@ -23,8 +23,8 @@ from zero_strategy.checkpoint.format import (
     ParamEntry,
     shard_file_name,
 )
-from zero_strategy.checkpoint.rng import REPLICAS_METADATA_KEY, is_own_entry, replica_prefix
-from zero_strategy.checkpoint.safetensors_io import SafetensorsReader
+from zero_strategy.checkpoint.base.rng import REPLICAS_METADATA_KEY, is_own_entry, replica_prefix
+from zero_strategy.checkpoint.base.safetensors_io import SafetensorsReader
 
 
 class ShardedCheckpoint:
@@ -162,7 +162,7 @@ class ShardedCheckpoint:
     def rng_state(self, rank: int) -> tuple[dict[str, Tensor], str] | None:
         """The generator states saved by rank ``rank`` of the saving run (its position among every rank, the
         replicas of hybrid sharding included), or None when that run had no such rank; see [Note: every rank's
-        RNG is saved] in rng.py."""
+        RNG is saved] in checkpoint/base/rng.py."""
         for shard in range(self.manifest.world_size):  # a replica's states travel in a first-group shard
             reader = self.reader(shard)
             carried = json.loads(reader.metadata.get(REPLICAS_METADATA_KEY, "{}"))

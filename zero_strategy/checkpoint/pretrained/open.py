@@ -6,7 +6,7 @@ checkpoint directory or its consolidated outputs, a ``torch.distributed.checkpoi
 torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
 ``.ckpt`` torch file (memory-mapped, ``weights_only=True``). ``source.read(name, start, count)`` returns elements
 ``[start, start + count)`` of the tensor's row-major flattening, in fp32 unless another dtype is asked for,
-reading only those elements from disk (see [Note: pretrained reads stay small] in pretrained_stores.py). A rank
+reading only those elements from disk (see [Note: pretrained reads stay small] in checkpoint/pretrained/stores.py). A rank
 that owns a slice of a flat parameter reads exactly that slice; nothing holds a whole file or model.
 
 Importable without Lightning, like the rest of this folder.
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.consolidate import READ_CHUNK_BYTES
-from zero_strategy.checkpoint.dcp_paths import METADATA_NAME as DCP_METADATA_NAME
-from zero_strategy.checkpoint.dcp_paths import is_dcp_directory
-from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError
-from zero_strategy.checkpoint.pretrained_keys import (
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, CheckpointError
+from zero_strategy.checkpoint.base.safetensors_io import READ_CHUNK_BYTES
+from zero_strategy.checkpoint.dcp.paths import METADATA_NAME as DCP_METADATA_NAME
+from zero_strategy.checkpoint.dcp.paths import is_dcp_directory
+from zero_strategy.checkpoint.pretrained.keys import (
     KeyMap,
     KeyMatch,
     alias_groups,
@@ -35,7 +35,7 @@ from zero_strategy.checkpoint.pretrained_keys import (
     match_keys,
     renamed_keys,
 )
-from zero_strategy.checkpoint.pretrained_stores import (
+from zero_strategy.checkpoint.pretrained.stores import (
     SAFETENSORS_SUFFIX,
     TORCH_SUFFIXES,
     IndexStore,
@@ -135,7 +135,7 @@ class PretrainedSource:
 
 def open_pretrained(path: str | os.PathLike, key_map: KeyMap = None) -> PretrainedSource:
     """Open the pretrained weights at ``path`` (any kind listed in the module docstring), with the file's keys
-    renamed by ``key_map`` (see [Note: key_map] in pretrained_keys.py). Raises :class:`CheckpointError` naming
+    renamed by ``key_map`` (see [Note: key_map] in checkpoint/pretrained/keys.py). Raises :class:`CheckpointError` naming
     the file for anything that is not readable weights."""
     return PretrainedSource(_open_store(Path(path)), key_map)
 
@@ -147,7 +147,9 @@ def _open_store(path: Path) -> TensorStore:
         if (path / MANIFEST_NAME).is_file():
             return ShardedCheckpointStore(path)
         if is_dcp_directory(path):
-            from zero_strategy.checkpoint.pretrained_dcp import DcpStore  # torch's DCP modules load only when used
+            from zero_strategy.checkpoint.pretrained.dcp_store import (
+                DcpStore,  # torch's DCP modules load only when used
+            )
 
             return DcpStore(path)
         for name in DIRECTORY_FILES:

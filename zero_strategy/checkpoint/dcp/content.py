@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.boxes import range_boxes
-from zero_strategy.checkpoint.dcp_planner import ChunkedTensor, LazyChunk
+from zero_strategy.checkpoint.dcp.boxes import range_boxes
+from zero_strategy.checkpoint.dcp.planner import ChunkedTensor, LazyChunk
 
 MODEL = "model"
 OPTIM = "optim"
@@ -82,7 +82,7 @@ def from_bytes(blob: bytes, weights_only: bool = True) -> Any:
 
 
 def rng_record(tensors: dict[str, Tensor], plain_json: str) -> bytes:
-    """One rank's RNG state (as :func:`zero_strategy.checkpoint.rng.capture_rng` returns it), as bytes."""
+    """One rank's RNG state (as :func:`zero_strategy.checkpoint.base.rng.capture_rng` returns it), as bytes."""
     return to_bytes({"tensors": tensors, "plain": plain_json})
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
 
 
 def read_plain_checkpoint(path: Path, weights_only: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
