@@ -3,8 +3,8 @@
 Rooms, each importing only the rooms before it (tests/unit/test_package_rooms.py holds it):
 
 - ``base/``: the on-disk format and manifest, streaming safetensors, every rank's RNG state, and the two protocols
-  the rest is written against: what a checkpoint writer reads from a sharded source (``checkpoint/base/writable.py``) and what
-  loading asks of a checkpoint (``checkpoint/base/source.py``).
+  the rest is written against: what a checkpoint writer reads from a sharded source (``checkpoint/base/writable.py``)
+  and what loading asks of a checkpoint (``checkpoint/base/source.py``).
 - ``sharded/``: our own sharded directory: save, the reader, load into an engine, what a shard file holds, and a
   module saved as a one-rank checkpoint.
 - ``dcp/``: ``torch.distributed.checkpoint`` interchange: the boxes of a flat range, the planner, storage, online

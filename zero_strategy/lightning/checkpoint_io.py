@@ -120,7 +120,7 @@ class ShardedCheckpointIO(CheckpointIO):
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         snapshot = ModuleSnapshot(module, config)
         info = self.save_info({NO_OPTIMIZER_STATE_KEY: why}, renames)
-        save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)  # type: ignore[arg-type]
+        save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)
 
     def save_info(
         self, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None

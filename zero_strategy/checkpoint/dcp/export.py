@@ -3,8 +3,8 @@ directory by one process, without gathering anything.
 
 Each rank's shard of each parameter (and of its optimizer state) becomes the boxes of that slice (see boxes.py);
 one box is read from the shard files at a time, when DCP writes it, and dropped before the next (see [Note: DCP
-writes that hold one box and survive a crash] in checkpoint/dcp/storage.py), so memory stays near one tensor whatever the
-model's size. The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py. Importable without Lightning.
+writes that hold one box and survive a crash] in checkpoint/dcp/storage.py), so memory stays near one tensor whatever
+the model's size. The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py. Importable without Lightning.
 """
 
 from __future__ import annotations

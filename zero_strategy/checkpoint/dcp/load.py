@@ -14,9 +14,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from zero_strategy.checkpoint.base.format import NO_OPTIMIZER_STATE_KEY, CheckpointError
+from zero_strategy.checkpoint.base.loadable import LoadTarget
 from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
 from zero_strategy.checkpoint.sharded.load import load_optimizer_state, load_weights
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 
 LISTED = 5  # names listed per kind of problem in an error message
@@ -27,7 +27,7 @@ def module_keys(module: nn.Module) -> list[str]:
     return [key for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, Tensor)]
 
 
-def check_dcp_compatible(engine: ZeroEngine, ckpt: DcpCheckpoint, strict: bool, with_optimizer: bool) -> None:
+def check_dcp_compatible(engine: LoadTarget, ckpt: DcpCheckpoint, strict: bool, with_optimizer: bool) -> None:
     """Raise :class:`CheckpointError` if ``ckpt`` does not describe this model (and, with ``with_optimizer``, its
     optimizers' parameter groups)."""
     model = {n: tuple(p.shape) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
@@ -59,7 +59,7 @@ def check_dcp_compatible(engine: ZeroEngine, ckpt: DcpCheckpoint, strict: bool, 
     param_groups_for(engine, ckpt)
 
 
-def param_groups_for(engine: ZeroEngine, ckpt: DcpCheckpoint) -> list[list[dict[str, Any]]]:
+def param_groups_for(engine: LoadTarget, ckpt: DcpCheckpoint) -> list[list[dict[str, Any]]]:
     """Each of the engine's param groups' hyper-parameters (learning rates moved by schedulers), from the stored
     group of the same optimizer that holds its parameters (torch matches groups by parameter names too, not by
     position)."""
@@ -105,7 +105,7 @@ def dcp_buffers(module: nn.Module, ckpt: DcpCheckpoint) -> dict[str, Tensor]:
 
 
 def load_dcp(
-    engine: ZeroEngine,
+    engine: LoadTarget,
     path: str | os.PathLike,
     with_optimizer: bool = True,
     strict: bool = True,

@@ -1,12 +1,12 @@
 """Writing a running engine's state as a ``torch.distributed.checkpoint`` directory (``checkpoint_format="dcp"``):
 every rank writes the boxes of its own slices through DCP's collective save; nothing is gathered.
 
-Sequence (as in save.py): rank 0 picks where this save writes (a hidden sibling, or the existing DCP checkpoint's
-directory, see checkpoint/dcp/storage.py) and tells every rank; the ranks agree on which optimizer states exist (every rank
-must cut the same tensors into boxes, or the boxes would not tile them: a piece never stepped has no state on its
-rank); DCP's collective save writes every rank's file and, once all succeeded, ``.metadata``; rank 0 publishes.
-A failure anywhere is raised on every rank, after the save's leftovers were removed; the previous checkpoint at
-the path is untouched. With hybrid sharding the replicas' ranks take part in the collectives but write no boxes
+Sequence (as in checkpoint/sharded/save.py): rank 0 picks where this save writes (a hidden sibling, or the existing DCP
+checkpoint's directory, see checkpoint/dcp/storage.py) and tells every rank; the ranks agree on which optimizer states
+exist (every rank must cut the same tensors into boxes, or the boxes would not tile them: a piece never stepped has no
+state on its rank); DCP's collective save writes every rank's file and, once all succeeded, ``.metadata``; rank 0
+publishes. A failure anywhere is raised on every rank, after the save's leftovers were removed; the previous checkpoint
+at the path is untouched. With hybrid sharding the replicas' ranks take part in the collectives but write no boxes
 (they hold the first shard group's slices). The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py.
 """
 
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.base.rng import capture_rng
+from zero_strategy.checkpoint.base.writable import WritableSource
 from zero_strategy.checkpoint.dcp.content import (
     INFO,
     MODEL,
@@ -48,14 +49,13 @@ from zero_strategy.checkpoint.dcp.storage import (
 from zero_strategy.checkpoint.sharded.save import SaveInfo
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.plan.layout import SliceOverlap
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 
 # what one rank knows of each (optimizer, parameter)'s state: {per-element name: dtype}, {scalar: (value, dtype)}
 StateSummary = dict[tuple[int, str], tuple[dict[str, str], dict[str, tuple[Any, str | None]]]]
 
 
-def save_dcp(engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo) -> None:
+def save_dcp(engine: WritableSource, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo) -> None:
     """Collective: every rank of the engine's run calls this with the same ``path`` (as :func:`save_sharded`)."""
     ctx, everyone = engine.ctx, engine.comms.everyone
     target = Path(path)
@@ -118,7 +118,7 @@ def _write(staging: DcpStaging, content: dict[str, Any], everyone: Comm) -> str 
 
 
 def engine_state_dict(
-    engine: ZeroEngine,
+    engine: WritableSource,
     trainer_state: dict[str, Any],
     info: SaveInfo,
     optimizer_state: StateSummary | None,
@@ -152,7 +152,7 @@ def engine_state_dict(
     return content
 
 
-def _weights(engine: ZeroEngine, rank: int | None) -> dict[str, ChunkedTensor]:
+def _weights(engine: WritableSource, rank: int | None) -> dict[str, ChunkedTensor]:
     """Every parameter (canonical name) as a :class:`ChunkedTensor` holding the boxes of ``rank``'s slice of it
     (none when ``rank`` is None: a replica's rank writes nothing)."""
     weights: dict[str, ChunkedTensor] = {}
@@ -183,7 +183,7 @@ class _OptimizedPart(NamedTuple):
     state: dict[str, Any]
 
 
-def _optimized_parts(engine: ZeroEngine, rank: int) -> list[_OptimizedPart]:
+def _optimized_parts(engine: WritableSource, rank: int) -> list[_OptimizedPart]:
     parts = []
     for _, flat, optimizers in engine.named_flat_params():
         overlaps = flat.layout.overlaps(rank)
@@ -199,7 +199,7 @@ def _optimized_parts(engine: ZeroEngine, rank: int) -> list[_OptimizedPart]:
     return parts
 
 
-def _optimizer_summary(engine: ZeroEngine) -> StateSummary:
+def _optimizer_summary(engine: WritableSource) -> StateSummary:
     summary: StateSummary = {}
     for part in _optimized_parts(engine, engine.ctx.rank):
         per_element, scalars = summary.setdefault((part.optimizer, part.name), ({}, {}))
@@ -227,10 +227,10 @@ def _agree(summaries: list[StateSummary]) -> StateSummary:
 
 
 def _optimizer_tensors(
-    engine: ZeroEngine, agreed: StateSummary, rank: int | None, leader: bool
+    engine: WritableSource, agreed: StateSummary, rank: int | None, leader: bool
 ) -> list[dict[str, dict[str, Any]]]:
     """Per optimizer, its state by parameter fqn: per-element state as this rank's boxes, scalars (leader only)."""
-    shapes = {span.name: tuple(span.shape) for flat in engine.flat_params for span in flat.layout.spans}
+    shapes = {span.name: tuple(span.shape) for _, flat, _ in engine.named_flat_params() for span in flat.layout.spans}
     states: list[dict[str, dict[str, Any]]] = [{} for _ in engine.optimizers]
     for (opt_index, name), (per_element, scalars) in agreed.items():
         state = states[opt_index].setdefault(name, {})
@@ -261,7 +261,7 @@ def _zeros(dtype: torch.dtype, first: int, count: int) -> Tensor:
     return torch.zeros(count, dtype=dtype)
 
 
-def _param_groups(engine: ZeroEngine) -> list[list[dict[str, Any]]]:
+def _param_groups(engine: WritableSource) -> list[list[dict[str, Any]]]:
     """Per optimizer, its param groups with the fqns of their parameters."""
     members: dict[tuple[int, int], list[str]] = {}
     for _, flat, optimizers in engine.named_flat_params():

@@ -9,9 +9,9 @@ its format) and replaces only ``write_data``: items are resolved one at a time, 
 (``torch.save`` records at recorded offsets, read back by torch's own ``FileSystemReader``) and dropped before the
 next, so a writer holds one box.
 
-Publishing mirrors our own format (see [Note: checkpoint layout] in checkpoint/base/format.py). A new checkpoint is written into
-a hidden sibling ``.NAME.partial-<id>`` and renamed to ``NAME`` after every rank finished. A DCP checkpoint that
-already exists at ``NAME`` (``last.ckpt`` overwritten by ``ModelCheckpoint``) is updated in place: the new data
+Publishing mirrors our own format (see [Note: checkpoint layout] in checkpoint/base/format.py). A new checkpoint is
+written into a hidden sibling ``.NAME.partial-<id>`` and renamed to ``NAME`` after every rank finished. A DCP checkpoint
+that already exists at ``NAME`` (``last.ckpt`` overwritten by ``ModelCheckpoint``) is updated in place: the new data
 files carry this save's id in their names, so they never touch the old ones; torch writes the new ``.metadata``
 into a scratch folder, and one ``os.replace`` switches ``NAME/.metadata`` from the old files to the new ones. Only
 then are the old files deleted. A crash at any moment leaves either the old checkpoint or the new one readable at

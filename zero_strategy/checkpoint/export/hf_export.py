@@ -6,8 +6,8 @@ The directory holds ``config.json`` (the user's, copied) and either ``model.safe
 "weight_map": {name: file}}``, the layout transformers reads). Parameters are fp32, buffers keep their dtype, names
 come from the module's state_dict keys through a key map, and a tied parameter is written once (see [Note: Hugging
 Face tied weights] in hf_layout.py). Tensors are streamed one at a time into the files, as consolidation streams
-(see [Note: streaming consolidation] in checkpoint/export/consolidate.py): memory follows the largest tensor, not the model. The
-directory is built under a hidden temporary name next to OUT_DIR and renamed into place when complete.
+(see [Note: streaming consolidation] in checkpoint/export/consolidate.py): memory follows the largest tensor, not the
+model. The directory is built under a hidden temporary name next to OUT_DIR and renamed into place when complete.
 
 The config is required, not optional with a warning: a directory without config.json cannot be loaded by
 ``from_pretrained`` at all, and the export exists to be loaded; the weights alone are ``zero-to-fp32 CKPT

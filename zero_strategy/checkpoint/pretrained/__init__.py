@@ -1,5 +1,5 @@
-"""Pretrained weights read by name and element range, from any kind of file (``checkpoint/pretrained/open.py`` opens one;
-``stores.py`` reads each kind; ``keys.py`` renames and matches names). Imports ``checkpoint/base``,
+"""Pretrained weights read by name and element range, from any kind of file (``checkpoint/pretrained/open.py`` opens
+one; ``stores.py`` reads each kind; ``keys.py`` renames and matches names). Imports ``checkpoint/base``,
 ``checkpoint/sharded`` and ``checkpoint/dcp``.
 
 ``zero_strategy.checkpoint.pretrained`` was a module before the checkpoint rooms: its public names stay importable

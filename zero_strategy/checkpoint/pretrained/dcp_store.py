@@ -1,7 +1,7 @@
 """Pretrained weights from a ``torch.distributed.checkpoint`` directory (FSDP2, torchtitan, Lightning's
 FSDPStrategy / ModelParallelStrategy, or our own DCP checkpoints): the model's tensors under their state_dict keys
-(see [Note: reading other tools' DCP layouts] in checkpoint/dcp/keys.py), each element range read from the stored chunks it
-overlaps only."""
+(see [Note: reading other tools' DCP layouts] in checkpoint/dcp/keys.py), each element range read from the stored chunks
+it overlaps only."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ checkpoint directory or its consolidated outputs, a ``torch.distributed.checkpoi
 torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
 ``.ckpt`` torch file (memory-mapped, ``weights_only=True``). ``source.read(name, start, count)`` returns elements
 ``[start, start + count)`` of the tensor's row-major flattening, in fp32 unless another dtype is asked for,
-reading only those elements from disk (see [Note: pretrained reads stay small] in checkpoint/pretrained/stores.py). A rank
-that owns a slice of a flat parameter reads exactly that slice; nothing holds a whole file or model.
+reading only those elements from disk (see [Note: pretrained reads stay small] in checkpoint/pretrained/stores.py). A
+rank that owns a slice of a flat parameter reads exactly that slice; nothing holds a whole file or model.
 
 Importable without Lightning, like the rest of this folder.
 """
@@ -135,8 +135,8 @@ class PretrainedSource:
 
 def open_pretrained(path: str | os.PathLike, key_map: KeyMap = None) -> PretrainedSource:
     """Open the pretrained weights at ``path`` (any kind listed in the module docstring), with the file's keys
-    renamed by ``key_map`` (see [Note: key_map] in checkpoint/pretrained/keys.py). Raises :class:`CheckpointError` naming
-    the file for anything that is not readable weights."""
+    renamed by ``key_map`` (see [Note: key_map] in checkpoint/pretrained/keys.py). Raises :class:`CheckpointError`
+    naming the file for anything that is not readable weights."""
     return PretrainedSource(_open_store(Path(path)), key_map)
 
 

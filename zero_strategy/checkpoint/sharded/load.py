@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.loadable import LoadTarget
 from zero_strategy.checkpoint.base.rng import restore_rng
 from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.shard_content import scalar_value
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 
 
@@ -32,7 +32,7 @@ class LoadPlan:
     missing: list[str]  # parameters of the model the checkpoint lacks (non-strict loading only)
 
 
-def check_compatible(engine: ZeroEngine, ckpt: ShardedCheckpoint, strict: bool, with_optimizer: bool) -> LoadPlan:
+def check_compatible(engine: LoadTarget, ckpt: ShardedCheckpoint, strict: bool, with_optimizer: bool) -> LoadPlan:
     """Raise :class:`CheckpointError` if the checkpoint does not describe this model (and its optimizers)."""
     where = ckpt.path
     model = {n: tuple(p.shape) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
@@ -71,7 +71,7 @@ def check_compatible(engine: ZeroEngine, ckpt: ShardedCheckpoint, strict: bool, 
     return LoadPlan(with_optimizer=with_optimizer, missing=missing)
 
 
-def _check_groups(engine: ZeroEngine, ckpt: ShardedCheckpoint) -> None:
+def _check_groups(engine: LoadTarget, ckpt: ShardedCheckpoint) -> None:
     """Every parameter is in the same param group of the same optimizers as when it was saved."""
     for flat in engine.flat_params:
         for name, groups in zip(flat.names, flat.param_groups, strict=True):
@@ -93,7 +93,7 @@ def _describe_groups(groups: dict[int, int]) -> str:
     return ", ".join(f"param group {group} of optimizer {optimizer}" for optimizer, group in groups.items())
 
 
-def load_weights(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> None:
+def load_weights(engine: LoadTarget, ckpt: ReadableCheckpoint) -> None:
     """Fill every rank's master shards from the checkpoint, whatever layout wrote it."""
     rank = engine.ctx.rank
     engine.before_load()  # peers done reading the slices written here (stage 3 on one host)
@@ -107,14 +107,14 @@ def load_weights(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> None:
     engine.after_load()
 
 
-def load_optimizer_state(engine: ZeroEngine, ckpt: ReadableCheckpoint, param_groups: list[list[dict]]) -> None:
+def load_optimizer_state(engine: LoadTarget, ckpt: ReadableCheckpoint, param_groups: list[list[dict]]) -> None:
     """Rebuild each master piece's optimizer state from the elements it now covers, and the groups' hyper-
     parameters (learning rates moved by schedulers)."""
     for optimizer, groups in zip(engine.optimizers, param_groups, strict=True):
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-    for _, flat, optimizers in engine.named_flat_params():
-        for opt_index in optimizers:  # several optimizers stepping one FlatParam: each its own state
+    for flat in engine.flat_params:
+        for opt_index in flat.optimizers:  # several optimizers stepping one FlatParam: each its own state
             optimizer = engine.optimizers[opt_index]
             for piece, offset in zip(flat.master_pieces, flat.piece_offset, strict=True):
                 state = _piece_state(engine, ckpt, flat, (offset, piece), opt_index)
@@ -139,7 +139,7 @@ def _place_step_counters(optimizer: torch.optim.Optimizer, piece: nn.Parameter, 
 
 
 def _to_offload_files(
-    engine: ZeroEngine, optimizer: torch.optim.Optimizer, piece: nn.Parameter, state: dict[str, object]
+    engine: LoadTarget, optimizer: torch.optim.Optimizer, piece: nn.Parameter, state: dict[str, object]
 ) -> dict[str, object]:
     """With nvme offload, loaded element-wise state goes into files like the state the optimizer creates (named as
     chunked_step names them: one file per optimizer, piece and state)."""
@@ -156,7 +156,7 @@ def _to_offload_files(
 
 
 def _piece_state(
-    engine: ZeroEngine, ckpt: ReadableCheckpoint, flat: FlatParam, piece: tuple[int, nn.Parameter], optimizer: int
+    engine: LoadTarget, ckpt: ReadableCheckpoint, flat: FlatParam, piece: tuple[int, nn.Parameter], optimizer: int
 ) -> dict[str, object]:
     """Optimizer ``optimizer``'s state of one master piece (``(its offset in the shard, the piece)``), gathered
     parameter by parameter from the checkpoint."""
@@ -181,9 +181,10 @@ def _piece_state(
     return state
 
 
-def restore_rank_rng(engine: ZeroEngine, ckpt: ReadableCheckpoint) -> bool:
+def restore_rank_rng(engine: LoadTarget, ckpt: ReadableCheckpoint) -> bool:
     """Restore the generator states that the rank at this rank's position in the saving run saved (False, and this
-    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in checkpoint/base/rng.py."""
+    rank's own left as they are, if that run had no such rank); see [Note: every rank's RNG is saved] in
+    checkpoint/base/rng.py."""
     saved = ckpt.rng_state(engine.comms.everyone.rank)  # its position among every rank of the run
     if saved is None:
         return False

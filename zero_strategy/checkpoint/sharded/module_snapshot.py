@@ -8,12 +8,14 @@ sharded in this process holds its own. Such a module is written as a checkpoint 
 FlatParam keys an engine would plan, each FlatParam's values flattened in its own dtype, no optimizer state (the
 manifest says why). Loading reads by parameter name and element range, so any world size and stage resumes from
 it. Nothing is gathered, no process group is used (only this process writes), and no engine is built: the values
-are read straight from the module, one FlatParam at a time.
+are read straight from the module, one FlatParam at a time. The snapshot is a ``WritableSource`` (see [Note: the
+write protocol] in checkpoint/base/writable.py), as an engine is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +28,6 @@ from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
 from zero_strategy.core.plan.layout import FlatLayout
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.step.engine import RankPlace
 
 
 class SnapshotFlat:
@@ -38,9 +39,15 @@ class SnapshotFlat:
         self.layout: FlatLayout = spec.layout
         self.optimizers: tuple[int, ...] = ()  # no optimizer state is saved from a module (see the Note)
         self.param_groups: list[tuple[int, ...]] = [()] * len(self.params)
-        self.master_pieces: list[nn.Parameter] = []
+        self.master_pieces: list[nn.Parameter] = []  # no optimizer pieces either
         self.piece_offset: list[int] = []
         self._dtype = spec.stored_dtype
+
+    def piece_group_in(self, optimizer: int) -> list[int]:
+        return []  # no pieces
+
+    def param_group_in(self, optimizer: int) -> list[int]:
+        raise ValueError(f"no optimizer steps a module snapshot (asked for optimizer {optimizer}): it has no groups")
 
     @property
     def shard(self) -> Tensor:
@@ -52,6 +59,15 @@ class SnapshotFlat:
         return flat
 
 
+@dataclass(frozen=True, slots=True)
+class _OneRank:
+    """The only rank of the snapshot's one-rank world."""
+
+    rank: int = 0
+    world_size: int = 1
+    replica_index: int = 0
+
+
 class _LocalComms:
     def __init__(self, log: CommunicationLog) -> None:
         self.everyone: Comm = local_comm(log)
@@ -59,7 +75,8 @@ class _LocalComms:
 
 
 class ModuleSnapshot:
-    """The checkpoint source of a module no engine holds (see [Note: saving without an engine])."""
+    """The checkpoint source of a module no engine holds (see [Note: saving without an engine]): a
+    ``WritableSource``."""
 
     def __init__(self, module: nn.Module, config: ZeroConfig) -> None:
         unmaterialized = [name for name, param in module.named_parameters() if param.is_meta]
@@ -68,7 +85,7 @@ class ModuleSnapshot:
         self.module = module
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stage = ZeroStage(config.stage)
-        self.ctx = RankPlace(0, 1)
+        self.ctx = _OneRank()
         self.comms = _LocalComms(CommunicationLog())
         plans = plan_units(module, choose_unit_modules(module, config.unit_modules, config.min_unit_numel))
         specs = [spec for unit in plan_flat_params(plans, {}, None, 1) for spec in unit]

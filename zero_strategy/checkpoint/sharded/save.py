@@ -1,8 +1,8 @@
 """Writing a sharded checkpoint: every rank writes its own shard, nothing is gathered onto one rank.
 
-Sequence (see [Note: checkpoint layout] in checkpoint/base/format.py): rank 0 picks an id and a staging directory and tells every
-rank; each rank writes its shard file; every rank reports success and file size; only if all succeeded does rank
-0 write the trainer state and the manifest, then publish (rename or manifest switch). A rank that dies leaves the
+Sequence (see [Note: checkpoint layout] in checkpoint/base/format.py): rank 0 picks an id and a staging directory and
+tells every rank; each rank writes its shard file; every rank reports success and file size; only if all succeeded does
+rank 0 write the trainer state and the manifest, then publish (rename or manifest switch). A rank that dies leaves the
 others waiting in the report step until the process-group timeout: nothing was published, the previous
 checkpoint is intact.
 
@@ -38,8 +38,8 @@ from zero_strategy.checkpoint.base.format import (
 )
 from zero_strategy.checkpoint.base.rng import REPLICAS_METADATA_KEY, capture_rng, pack_replicas
 from zero_strategy.checkpoint.base.safetensors_io import write_safetensors
+from zero_strategy.checkpoint.base.writable import WritableSource
 from zero_strategy.checkpoint.sharded.shard_content import collect_shard, encode_metadata
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.optimizer import qualified_name
 
 RngState = tuple[dict[str, torch.Tensor], str]  # capture_rng's (tensors, plain json)
@@ -82,7 +82,7 @@ def _plan_staging(path: Path) -> _Staging:
 
 
 def _manifest_entries(
-    engine: ZeroEngine, renames: dict[str, str | None]
+    engine: WritableSource, renames: dict[str, str | None]
 ) -> tuple[list[FlatEntry], list[list[str]]]:
     """The FlatParams' entries and the state-dict keys, after ``renames`` (key → new key, None: left out): a
     parameter is stored under its first key that remains, and left out when none does (its values stay in the
@@ -111,7 +111,7 @@ def _manifest_entries(
     return flats, keys
 
 
-def _replicas_rng(engine: ZeroEngine, own: RngState) -> list[tuple[int, dict[str, torch.Tensor], str]]:
+def _replicas_rng(engine: WritableSource, own: RngState) -> list[tuple[int, dict[str, torch.Tensor], str]]:
     """Collective over this rank's replica group (hybrid sharding; nothing to do otherwise): the generator states
     of the replicas whose shard file this rank writes, as ``(run rank, tensors, plain json)``; empty on a rank of
     another shard group, which writes nothing."""
@@ -124,7 +124,7 @@ def _replicas_rng(engine: ZeroEngine, own: RngState) -> list[tuple[int, dict[str
 
 
 def save_sharded(
-    engine: ZeroEngine, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
+    engine: WritableSource, path: str | os.PathLike, trainer_state: dict[str, Any], info: SaveInfo
 ) -> None:
     """Collective: every rank of the engine's run (its group, and the replicas) calls this with the same ``path``."""
     ctx, everyone = engine.ctx, engine.comms.everyone
@@ -182,7 +182,7 @@ def save_sharded(
 
 
 def _publish(
-    engine: ZeroEngine,
+    engine: WritableSource,
     target: Path,
     staging: _Staging,
     trainer_state: dict[str, Any],

@@ -3,7 +3,8 @@
 Per-element optimizer state (``exp_avg``, ``momentum_buffer``, ...) is stored shard-aligned — one tensor of the
 shard's length per FlatParam, optimizer and state name (a FlatParam two optimizers step has two of each) — so a
 reader finds any parameter's state at the same offsets as its weights. Per-piece scalars (Adam's ``step``) go to
-the file's JSON metadata with the piece and the optimizer they belong to (see [Note: format versions] in checkpoint/base/format.py).
+the file's JSON metadata with the piece and the optimizer they belong to (see [Note: format versions] in
+checkpoint/base/format.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import torch
 from torch import Tensor
 
 from zero_strategy.checkpoint.base.format import state_name
-from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.checkpoint.base.writable import WritableFlat, WritableSource
 
 TensorSpec = tuple[str, torch.dtype, list[int]]
 
@@ -43,12 +43,12 @@ def scalar_value(record: dict[str, Any], device: torch.device) -> object:
 
 
 def collect_shard(
-    engine: ZeroEngine, with_optimizer: bool
+    engine: WritableSource, with_optimizer: bool
 ) -> tuple[list[TensorSpec], Iterator[Tensor], dict[str, list[dict[str, Any]]]]:
     """(tensor specs, a generator yielding the tensors in that order, per-piece scalar state)."""
     specs: list[TensorSpec] = []
     # (flat, state name or None for the weights, dtype, the optimizer's state dict)
-    producers: list[tuple[FlatParam, str | None, torch.dtype, dict]] = []
+    producers: list[tuple[WritableFlat, str | None, torch.dtype, dict]] = []
     scalars: dict[str, list[dict[str, Any]]] = {}
     for key, flat, optimizers in engine.named_flat_params():
         specs.append((weight_name(key), flat.shard.dtype, [flat.shard.numel()]))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zero_strategy.checkpoint.base.writable import WritableSource
 from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import CheckpointFormat
-from zero_strategy.core.step.engine import ZeroEngine
 
 
 def save_checkpoint_as(
     checkpoint_format: CheckpointFormat,
-    engine: ZeroEngine,
+    engine: WritableSource,
     path: str | os.PathLike,
     trainer_state: dict[str, Any],
     info: SaveInfo,
