@@ -18,7 +18,7 @@ from zero_strategy.checkpoint.export.hf_layout import DEFAULT_MAX_SHARD_SIZE, Ke
 EXIT_BAD_CHECKPOINT = 2
 EXIT_IO_ERROR = 1
 # Options that only mean something for a Hugging Face directory: given without --hf they are an error, not ignored.
-_HF_ONLY = ("hf_config", "max_shard_size", "strip_prefix", "rename", "drop")
+_HF_ONLY = ("hf_config", "max_shard_size", "strip_prefix", "rename", "drop", "no_name_check")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +83,8 @@ def _add_hf_arguments(group: argparse._ArgumentGroup) -> None:
         "--strip-prefix",
         metavar="PREFIX",
         help="remove PREFIX from every key: the attribute holding the Hugging Face model in the LightningModule, "
-        "e.g. 'model.' for self.model (a key without it is an error: see --drop)",
+        "e.g. 'model.' for self.model (a key without it is an error: see --drop). Not given: when exactly one "
+        "prefix makes every name fit the model the config builds, it is stripped (and said on stderr)",
     )
     group.add_argument(
         "--rename",
@@ -99,6 +100,13 @@ def _add_hf_arguments(group: argparse._ArgumentGroup) -> None:
         default=[],
         help="leave out keys starting with PREFIX (modules of the LightningModule that are not part of the "
         "Hugging Face model); repeatable",
+    )
+    group.add_argument(
+        "--no-name-check",
+        action="store_true",
+        default=None,
+        help="do not check the names written against the model the config builds (by default a name that fits "
+        "none of its parameters is refused: from_pretrained would leave that weight at its random initial value)",
     )
 
 
@@ -136,6 +144,8 @@ def _run(args: argparse.Namespace) -> Path:
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
         progress=not args.no_progress,
         weights_only=not args.unsafe_trainer_state,
+        check_names=not args.no_name_check,
+        note=lambda message: print(f"zero-to-fp32: note: {message}", file=sys.stderr),
     )
 
 

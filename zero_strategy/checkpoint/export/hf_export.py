@@ -9,6 +9,9 @@ Face tied weights] in hf_layout.py). Tensors are streamed one at a time into the
 (see [Note: streaming consolidation] in checkpoint/export/consolidate.py): memory follows the largest tensor, not the
 model. The directory is built under a hidden temporary name next to OUT_DIR and renamed into place when complete.
 
+The names written are checked against the model the config builds (see [Note: checking the names against the
+config's model] in checkpoint/export/hf_names.py): a name no parameter of it has would load as nothing.
+
 The config is required, not optional with a warning: a directory without config.json cannot be loaded by
 ``from_pretrained`` at all, and the export exists to be loaded; the weights alone are ``zero-to-fp32 CKPT
 model.safetensors``.
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -53,6 +57,7 @@ from zero_strategy.checkpoint.export.hf_layout import (
     plan_shards,
     shard_names,
 )
+from zero_strategy.checkpoint.export.hf_names import Note, fitted_key_map
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 __all__ = ["HfExportError", "KeyMap", "consolidate_hf"]  # what a user imports from here
@@ -88,6 +93,8 @@ def consolidate_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     weights_only: bool = True,
+    check_names: bool = True,
+    note: Note | None = None,
 ) -> Path:
     """Write the sharded ``checkpoint`` directory as a Hugging Face model directory ``out_dir`` and return its path.
 
@@ -95,7 +102,10 @@ def consolidate_hf(
     directory; copied as ``config.json``. ``key_map``: a :class:`~zero_strategy.checkpoint.export.hf_layout.KeyMap`
     (e.g. ``KeyMap(strip_prefix="model.")`` for a LightningModule holding the model as ``self.model``) or a function
     from state_dict key to name (None leaves the key out). ``max_shard_size``: bytes or ``"5GB"``-style; a larger
-    model is split into several files and an index. ``out_dir`` must not exist or be empty. Raises
+    model is split into several files and an index. ``out_dir`` must not exist or be empty. ``check_names``: check
+    the names against the model the config builds, and strip the one prefix that makes them fit when no prefix to
+    strip was given (see [Note: checking the names against the config's model]); ``note``: where what the check
+    says goes (default: a warning). Raises
     :class:`HfExportError` (a ``ValueError``) for a bad input, before anything is written, and
     :class:`~zero_strategy.checkpoint.base.format.CheckpointError` for a damaged checkpoint.
     """
@@ -110,7 +120,12 @@ def consolidate_hf(
         )
     with ShardedCheckpoint(checkpoint) as ckpt:
         state = TrainerState(ckpt, weights_only)
-        written = _written_tensors(state_dict_entries(ckpt), state, key_map, keep_tied_aliases(content))
+        entries = state_dict_entries(ckpt)
+        keys = [entry.key for entry in entries]
+        output_names(keys, key_map)  # the key map's own errors first
+        if check_names:
+            key_map = fitted_key_map(keys, key_map, content, note or _warn)
+        written = _written_tensors(entries, state, key_map, keep_tied_aliases(content))
         counts = plan_shards([tensor.nbytes for tensor in written], max_bytes)
         metadata = {"format": "pt", "zero_strategy_checkpoint_id": ckpt.manifest.checkpoint_id}
         entries = [tensor.entry for tensor in written]
@@ -131,6 +146,10 @@ def consolidate_hf(
             bar.close()
     fsync_directory(target.parent)
     return target
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"zero-to-fp32 --hf: {message}", stacklevel=3)
 
 
 def _check_target(target: Path) -> None:
