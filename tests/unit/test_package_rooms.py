@@ -284,6 +284,19 @@ def test_checkpoint_files_stay_small():
     assert {path: lines for path, lines in too_long.items() if lines > 350} == {}
 
 
+@pytest.mark.timeout(30)
+def test_a_whole_flat_param_is_gathered_in_one_place():
+    """Outside the comm room (which implements it) only core/flat calls ``all_gather``: the FlatParam's own
+    lifecycle, its secondary copy, and core/flat/whole.py, the one gather of a whole FlatParam that releasing the
+    engine and the consolidated Fabric file use."""
+    callers = sorted(
+        _module_name(path) for path in PACKAGE.rglob("*.py")
+        if re.search(r"\ball_gather(_into_tensor)?\(", path.read_text())
+        and not _module_name(path).startswith(("zero_strategy.core.comm", "zero_strategy.core.flat"))
+    )
+    assert callers == [], callers
+
+
 TRANSPORTS = {
     f"zero_strategy.core.comm.{name}"
     for name in ("native", "point_to_point", "shared_memory", "shm_exchange", "host_segments", "watch", "watched",

@@ -33,7 +33,8 @@ class Box:
 
 
 def max_boxes(ndim: int) -> int:
-    """The most boxes a flat range of an ``ndim``-D tensor can need (see [Note: a flat range is at most ...])."""
+    """The most boxes a flat range of an ``ndim``-D tensor can need (see [Note: a flat range is at most 2·(ndim−1)+1
+    boxes])."""
     return 1 if ndim == 0 else 2 * (ndim - 1) + 1
 
 

@@ -16,37 +16,40 @@ rank copies only the element ranges it keeps, at any world size and stage.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from zero_strategy.checkpoint.base.loadable import LoadTarget
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.flat.whole import gather_whole, param_views
 from zero_strategy.core.step.optimizer import carry_state_over
 
 Keep = Callable[[str, Any], bool]  # Fabric's filter: (key, value) -> keep
 
 
-def _gather_whole(flat: FlatParam, values: Tensor, label: str) -> Tensor:
-    """Every rank's shard-aligned ``values`` of ``flat``, in rank order (padded flat layout). Collective."""
-    whole = torch.empty(flat.layout.padded_numel, dtype=values.dtype, device=flat.full.device)
-    flat.comm.all_gather(whole, values.to(flat.full.device, copy=True), label).wait()
-    return whole
+class WholeStateSource(LoadTarget, Protocol):
+    """An engine whose whole state is gathered or loaded: a :class:`LoadTarget` that also finds an optimizer's
+    position and master pieces (the engine satisfies it structurally)."""
+
+    def optimizer_index(self, optimizer: Optimizer) -> int: ...
+
+    def master_params(self, optimizer: Optimizer) -> list[nn.Parameter]: ...
 
 
-def full_weights(engine: ZeroEngine, keep: Keep | None = None) -> dict[str, Tensor]:
+def full_weights(engine: WholeStateSource, keep: Keep | None = None) -> dict[str, Tensor]:
     """The module's state dict with fp32 (master) parameters, on rank 0 (``keep``: which keys to write); the other
     ranks return ``{}``. Collective: every rank calls it."""
     leader = engine.comms.everyone.rank == 0
     names = engine.parameter_names()
     by_name: dict[str, Tensor] = {}
     for flat in engine.flat_params:
-        whole = _gather_whole(flat, flat.shard, f"full state dict of {flat.label}")
+        whole = gather_whole(flat, flat.shard, f"full state dict of {flat.label}")
         if leader:
-            for span in flat.layout.spans:
-                by_name[span.name] = whole[span.offset : span.end].view(span.shape).cpu().clone()
+            for name, values in param_views(flat, whole):
+                by_name[name] = values.cpu().clone()
         del whole
     if not leader:
         return {}
@@ -61,7 +64,7 @@ def full_weights(engine: ZeroEngine, keep: Keep | None = None) -> dict[str, Tens
     return out
 
 
-def full_optimizer_state(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, Any]:
+def full_optimizer_state(engine: WholeStateSource, optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer``'s whole state, keyed by parameter name (see [Note: the consolidated Fabric file]), on rank 0;
     ``{}`` on the others. Collective."""
     index = engine.optimizer_index(optimizer)
@@ -78,10 +81,10 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, 
         every_name = sorted({(n, str(d)) for rank_names, _ in gathered for n, d in rank_names})
         for name, dtype_name in every_name:
             aligned = _aligned(flat, optimizer, name, getattr(torch, dtype_name.removeprefix("torch.")))
-            whole = _gather_whole(flat, aligned, f"optimizer state {name} of {flat.label}")
+            whole = gather_whole(flat, aligned, f"optimizer state {name} of {flat.label}")
             if leader:
-                for span in flat.layout.spans:
-                    state.setdefault(span.name, {})[name] = whole[span.offset : span.end].view(span.shape).cpu()
+                for param_name, values in param_views(flat, whole):
+                    state.setdefault(param_name, {})[name] = values.cpu()
         if leader:
             shard_numel = flat.layout.shard_numel
             for span in flat.layout.spans:
@@ -132,7 +135,7 @@ def _scalars_at(gathered: list[tuple], position: int, shard_numel: int) -> dict[
     return {}
 
 
-def load_full_optimizer_state(engine: ZeroEngine, optimizer: Optimizer, saved: dict[str, Any]) -> None:
+def load_full_optimizer_state(engine: WholeStateSource, optimizer: Optimizer, saved: dict[str, Any]) -> None:
     """Give ``optimizer``'s master pieces the slices of a whole optimizer state keyed by parameter name (see [Note:
     the consolidated Fabric file]), and its groups the saved hyper-parameters. Local: each rank keeps its ranges."""
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or "param_groups" not in saved:
