@@ -252,13 +252,14 @@ def test_checkpoint_aliases_re_export_their_new_homes():
 
     from zero_strategy.checkpoint.dcp.load import load_dcp
     from zero_strategy.checkpoint.export.consolidate import consolidate
-    from zero_strategy.checkpoint.export.hf_export import consolidate_hf
+    from zero_strategy.checkpoint.export.hf_export import HfExportError, KeyMap, consolidate_hf
     from zero_strategy.checkpoint.pretrained.open import open_pretrained
     from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 
     old = {
         "zero_strategy.checkpoint.consolidate": {"consolidate": consolidate},
-        "zero_strategy.checkpoint.hf_export": {"consolidate_hf": consolidate_hf},
+        "zero_strategy.checkpoint.hf_export": {"consolidate_hf": consolidate_hf, "KeyMap": KeyMap,
+                                               "HfExportError": HfExportError},
         "zero_strategy.checkpoint.dcp_load": {"load_dcp": load_dcp},
         "zero_strategy.checkpoint.save": {"SaveInfo": SaveInfo, "save_sharded": save_sharded},
         "zero_strategy.checkpoint.pretrained": {"open_pretrained": open_pretrained},
