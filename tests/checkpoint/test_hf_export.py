@@ -289,8 +289,9 @@ def test_the_one_prefix_that_fits_is_stripped_and_said(tmp_path, capsys, transfo
 @pytest.mark.timeout(120)
 def test_names_that_fit_nothing_are_refused_naming_the_prefix(wrapped_ckpt, tmp_path, capsys):
     """A key outside every prefix that fits (``loss_weight``), or a config of another architecture: refused before
-    anything is written, naming the names, the prefix to strip and what to drop; ``check_names=False`` writes."""
-    ckpt, _ = wrapped_ckpt
+    anything is written, naming the names, the prefix to strip and what to drop (once dropped, the prefix is found);
+    ``check_names=False`` writes."""
+    ckpt, logits = wrapped_ckpt
     gpt2_config().save_pretrained(tmp_path / "config")
     argv = [str(ckpt), "--hf", str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"), "--no-progress"]
     assert zero_to_fp32(argv) == 2
@@ -298,6 +299,10 @@ def test_names_that_fit_nothing_are_refused_naming_the_prefix(wrapped_ckpt, tmp_
     assert err.count("\n") == 1 and "'loss_weight'" in err and "random initial values" in err, err
     assert "--strip-prefix model. --drop loss_weight" in err, err
     assert not (tmp_path / "hf").exists()
+    assert zero_to_fp32([*argv, "--drop", "loss_weight"]) == 0  # what is left then fits under one prefix
+    assert "note: stripped the prefix 'model.'" in capsys.readouterr().err
+    assert (_logits(_load(AutoModelForCausalLM, tmp_path / "hf")) - logits).abs().max().item() <= 1e-6
+    (tmp_path / "hf").rename(tmp_path / "hf-dropped")
     bert = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
             "num_attention_heads": 4, "intermediate_size": 37}  # fmt: skip
     key_map = KeyMap(strip_prefix="model.", drop=("loss_weight",))

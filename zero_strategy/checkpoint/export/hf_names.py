@@ -110,7 +110,8 @@ def fitted_key_map(
         return key_map
     if key_map is None or (isinstance(key_map, KeyMap) and not key_map.strip_prefix):
         base = key_map or KeyMap()
-        fitting = [prefix for prefix in _prefixes(keys[0])
+        kept = [key for key in keys if not key.startswith(base.drop)]  # a prefix to strip lies over each of them
+        fitting = [prefix for prefix in (_prefixes(kept[0]) if kept else [])
                    if _misfits(keys, dataclasses.replace(base, strip_prefix=prefix), model) == []]  # fmt: skip
         if len(fitting) == 1:
             note(f"stripped the prefix {fitting[0]!r} from every state_dict key: the names then fit "
