@@ -10,8 +10,8 @@ from zero_strategy._requirements import check_torch
 
 check_torch()  # before anything else: a torch lacking an API we call fails here naming it; an untested one warns
 
-from zero_strategy.checkpoint.consolidate import consolidate  # noqa: E402
-from zero_strategy.checkpoint.pretrained import load_pretrained  # noqa: E402
+from zero_strategy.checkpoint.export.consolidate import consolidate  # noqa: E402
+from zero_strategy.checkpoint.pretrained.open import load_pretrained  # noqa: E402
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
 from zero_strategy.core.flat.access import ShardedParameterError  # noqa: E402
 from zero_strategy.core.flat.in_place_watch import InPlaceChangeWarning  # noqa: E402

@@ -12,14 +12,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from zero_strategy.checkpoint.pretrained import (
+from zero_strategy.checkpoint.pretrained.keys import alias_groups, expected_shapes, match_keys
+from zero_strategy.checkpoint.pretrained.open import (
     PendingLoad,
     PretrainedSource,
     forget_pending,
     open_pretrained,
     pending_loads,
 )
-from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
 from zero_strategy.config import MetaInit, ZeroConfig
 from zero_strategy.core.init import Recording, record_resets
 from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader
@@ -46,7 +46,7 @@ def initial_values(
             target = module.get_submodule(prefix) if prefix else module
             source: PretrainedSource = files.enter_context(open_pretrained(load.path, load.key_map))
             match = match_keys(source, expected_shapes(target), load.strict, alias_groups(target), str(source.path))
-            for name, source_name in match.plan.items():
+            for name, source_name in match.sources.items():
                 sources[f"{prefix}.{name}" if prefix else name] = (source, source_name)
         forget_pending(module)
         yield InitialValues(recording, Pretrained(sources) if sources else None, device)

@@ -12,10 +12,10 @@ from helpers.compare import assert_state_close
 from helpers.models import lm_loss, make_batches, make_model, rank_slice
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.base.format import PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 

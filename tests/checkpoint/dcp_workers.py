@@ -103,8 +103,8 @@ def zero_save_then_train(
 ) -> dict[str, Tensor]:
     """Train SAVE_AT steps, save our own format at ``path`` (and, with ``online``, a DCP checkpoint there through
     ``checkpoint_format="dcp"``'s writer), train on; return the final full state."""
-    from zero_strategy.checkpoint.dcp_save import save_dcp
-    from zero_strategy.checkpoint.save import save_sharded
+    from zero_strategy.checkpoint.dcp.save import save_dcp
+    from zero_strategy.checkpoint.sharded.save import save_sharded
 
     model, optimizer, engine = build(stage, layout=layout)
     train_steps(model, optimizer, engine, batches()[:SAVE_AT])
@@ -117,7 +117,7 @@ def zero_save_then_train(
 
 def zero_resume_from_dcp(rank: int, world: int, stage: int, path: str, with_optimizer: bool = True) -> dict:
     """Our engine (other initial weights) resumes from the DCP checkpoint at ``path`` and trains on."""
-    from zero_strategy.checkpoint.dcp_load import load_dcp
+    from zero_strategy.checkpoint.dcp.load import load_dcp
 
     model, optimizer, engine = build(stage, seed=7)
     state = load_dcp(engine, path, with_optimizer=with_optimizer)

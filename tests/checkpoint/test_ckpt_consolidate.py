@@ -16,11 +16,11 @@ from ckpt_workers import INFO, train_and_save, trainer_state
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-import zero_strategy.checkpoint.consolidate as consolidate_module
-from zero_strategy.checkpoint.__main__ import main as zero_to_fp32
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.format import BUFFERS_KEY, MANIFEST_NAME, TRAINER_STATE_NAME, CheckpointError
-from zero_strategy.checkpoint.save import save_sharded
+import zero_strategy.checkpoint.export.consolidate as consolidate_module
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, MANIFEST_NAME, TRAINER_STATE_NAME, CheckpointError
+from zero_strategy.checkpoint.export.cli import main as zero_to_fp32
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
@@ -256,7 +256,7 @@ def test_cli_outputs_load_without_zero_strategy(tied_2ranks, tmp_path, capsys):
 
 RSS_DRIVER = """
 import json, sys
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):

@@ -16,8 +16,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from zero_strategy.checkpoint.format import MANIFEST_NAME
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.testing import RankFailed, run_ranks
 
 PG_TIMEOUT_S = 5.0
@@ -69,9 +69,9 @@ CRASHES = {
 
 
 def _train_and_crash_while_saving(rank, world, path, crash):
-    import zero_strategy.checkpoint.format as format_module
-    import zero_strategy.checkpoint.save as save_module
-    from zero_strategy.checkpoint.save import save_sharded
+    import zero_strategy.checkpoint.base.format as format_module
+    import zero_strategy.checkpoint.sharded.save as save_module
+    from zero_strategy.checkpoint.sharded.save import save_sharded
 
     crash_rank, inject = CRASHES[crash]
     model, optimizer, engine = build(3)
@@ -83,7 +83,7 @@ def _train_and_crash_while_saving(rank, world, path, crash):
 
 
 def _save(rank, world, path):
-    from zero_strategy.checkpoint.save import save_sharded
+    from zero_strategy.checkpoint.sharded.save import save_sharded
 
     _model, _optimizer, engine = build(3)
     save_sharded(engine, path, trainer_state(0), INFO)

@@ -13,8 +13,8 @@ import torch
 from ckpt_workers import build, full_state, load_into, train_and_save, train_steps
 from helpers.models import make_batches
 
-from zero_strategy.checkpoint.__main__ import main as zero_to_fp32
-from zero_strategy.checkpoint.format import MANIFEST_NAME, TRAINER_STATE_NAME, CheckpointError
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, TRAINER_STATE_NAME, CheckpointError
+from zero_strategy.checkpoint.export.cli import main as zero_to_fp32
 from zero_strategy.testing import run_ranks
 
 
@@ -32,7 +32,7 @@ def sources(tmp_path_factory):
 def _train_and_save_wider(rank, world, stage, path):
     from ckpt_workers import INFO, trainer_state
 
-    from zero_strategy.checkpoint.save import save_sharded
+    from zero_strategy.checkpoint.sharded.save import save_sharded
 
     _, _, engine = build(stage, width=13)
     save_sharded(engine, path, trainer_state(0), INFO)

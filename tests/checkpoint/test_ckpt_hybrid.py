@@ -26,10 +26,10 @@ from helpers.compare import max_rel_err
 from helpers.models import TiedLM, make_batches
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.format import MANIFEST_NAME, PARAM_GROUPS_KEY
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import save_sharded
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks

@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from zero_strategy import ZeroStrategy
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.format import MANIFEST_NAME, TRAINER_STATE_NAME
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, TRAINER_STATE_NAME
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.testing import run_ranks
 
 MAX_STEPS = 12

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from zero_strategy.checkpoint.__main__ import main
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.cli import main
+from zero_strategy.checkpoint.export.consolidate import consolidate
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

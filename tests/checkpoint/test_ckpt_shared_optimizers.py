@@ -17,14 +17,14 @@ from ckpt_workers import INFO, trainer_state
 from helpers.models import assert_state_close, clone_state
 from helpers.shared_optimizers import PATTERNS, STEPS, batches, make, rank_part, reference_run, train
 
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
-from zero_strategy.checkpoint.dcp_load import load_dcp
-from zero_strategy.checkpoint.dcp_save import save_dcp
-from zero_strategy.checkpoint.format import MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError, Manifest
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
-from zero_strategy.checkpoint.save import save_sharded
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError, Manifest
+from zero_strategy.checkpoint.base.safetensors_io import SafetensorsReader, write_safetensors
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
+from zero_strategy.checkpoint.dcp.load import load_dcp
+from zero_strategy.checkpoint.dcp.save import save_dcp
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_in_process, run_ranks

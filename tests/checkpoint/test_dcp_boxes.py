@@ -1,4 +1,4 @@
-"""The boxes of a flat element range (zero_strategy/checkpoint/boxes.py): for every range of tensors of 0 to 4
+"""The boxes of a flat element range (zero_strategy/checkpoint/dcp/boxes.py): for every range of tensors of 0 to 4
 dimensions they tile exactly that range, each box is a contiguous run of it in row-major order, and there are at
 most 2·(ndim−1)+1 of them. Reference: torch's own indexing of ``arange(numel).view(shape)``."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from zero_strategy.checkpoint.boxes import max_boxes, range_boxes
+from zero_strategy.checkpoint.dcp.boxes import max_boxes, range_boxes
 
 SHAPES = [(), (1,), (7,), (3, 5), (1, 6), (4, 1), (2, 3, 4), (3, 1, 5), (2, 3, 2, 3), (5, 0), (0,)]
 

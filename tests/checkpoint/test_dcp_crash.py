@@ -67,7 +67,7 @@ CRASHES = {
 
 
 def _train_and_save(rank, world, path):
-    from zero_strategy.checkpoint.dcp_save import save_dcp
+    from zero_strategy.checkpoint.dcp.save import save_dcp
 
     model, optimizer, engine = build(3)
     train_steps(model, optimizer, engine, make_batches(2, 1, 8))
@@ -76,9 +76,9 @@ def _train_and_save(rank, world, path):
 
 
 def _train_and_crash_while_saving(rank, world, path, crash):
-    import zero_strategy.checkpoint.dcp_planner as planner
-    import zero_strategy.checkpoint.dcp_storage as storage
-    from zero_strategy.checkpoint.dcp_save import save_dcp
+    import zero_strategy.checkpoint.dcp.planner as planner
+    import zero_strategy.checkpoint.dcp.storage as storage
+    from zero_strategy.checkpoint.dcp.save import save_dcp
 
     crash_rank, inject = CRASHES[crash]
     model, optimizer, engine = build(3)

@@ -14,11 +14,11 @@ from ckpt_workers import train_and_save
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.dcp_cli import main as zero_to_dcp
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
-from zero_strategy.checkpoint.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError
+from zero_strategy.checkpoint.dcp.cli import main as zero_to_dcp
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.testing import run_ranks
 
 STEPS = 2
@@ -128,7 +128,7 @@ def test_cli(tmp_path, capsys):
 def test_hyper_parameter_objects_need_the_unsafe_flag(tmp_path, capsys):
     from ckpt_workers import INFO, build
 
-    from zero_strategy.checkpoint.save import save_sharded
+    from zero_strategy.checkpoint.sharded.save import save_sharded
 
     _, _, engine = build(3)
     save_sharded(engine, tmp_path / "ck", {"hyper_parameters": {"opaque": Opaque()}}, INFO)

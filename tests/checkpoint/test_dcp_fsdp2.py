@@ -21,7 +21,7 @@ from dcp_workers import (
 )
 from helpers.models import make_model
 
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
 from zero_strategy.config import ZeroConfig
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.testing import run_ranks

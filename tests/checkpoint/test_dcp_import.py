@@ -14,15 +14,15 @@ from ckpt_workers import INFO, build, trainer_state
 from dcp_workers import assert_close, zero_resume_from_dcp, zero_save_then_train
 from helpers.models import make_model
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
-from zero_strategy.checkpoint.dcp_load import load_dcp
-from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
-from zero_strategy.checkpoint.format import NO_OPTIMIZER_STATE_KEY, CheckpointError
-from zero_strategy.checkpoint.module_snapshot import ModuleSnapshot
-from zero_strategy.checkpoint.pretrained import load_pretrained_into_module, open_pretrained
-from zero_strategy.checkpoint.save import save_sharded
-from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
+from zero_strategy.checkpoint.base.format import NO_OPTIMIZER_STATE_KEY, CheckpointError
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
+from zero_strategy.checkpoint.dcp.load import load_dcp
+from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module, open_pretrained
+from zero_strategy.checkpoint.sharded.module_snapshot import ModuleSnapshot
+from zero_strategy.checkpoint.sharded.save import save_sharded
+from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig, ZeroConfigError
 from zero_strategy.testing import run_ranks
 
@@ -123,7 +123,7 @@ def test_a_weights_only_checkpoint_cannot_resume_a_fit_and_says_why(tmp_path):
     config = ZeroConfig(stage=3, checkpoint_format="dcp")
     info = dataclasses.replace(INFO, extra={NO_OPTIMIZER_STATE_KEY: "saved outside fit"})
     save_checkpoint_as(config.checkpoint_format, ModuleSnapshot(model, config), tmp_path / "w", {"global_step": 3},
-                       info)  # a module's own weights, no engine (module_snapshot.py)
+                       info)  # a module's own weights, no engine (checkpoint/sharded/module_snapshot.py)
     assert (tmp_path / "w" / ".metadata").is_file()
     _, _, engine = build(3, seed=9)
     with pytest.raises(CheckpointError, match=r"holds no optimizer state \(saved outside fit\)"):

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from zero_strategy import ZeroStrategy
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
 from zero_strategy.config import CheckpointFormat
 from zero_strategy.testing import run_ranks
 

@@ -25,7 +25,7 @@ FIXED_MIB = 12.0  # what a first export costs whatever the model (lazy initialis
 RSS_DRIVER = """
 import json, sys
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
 from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):
@@ -56,7 +56,7 @@ class Wide(nn.Module):
 def _meta_built_step_and_save(rank: int, world: int, path: str) -> None:
     from ckpt_workers import INFO, trainer_state
 
-    from zero_strategy.checkpoint.save import save_sharded
+    from zero_strategy.checkpoint.sharded.save import save_sharded
     from zero_strategy.core.init import record_construction
     from zero_strategy.core.init.materialize import InitialValues
     from zero_strategy.core.step.engine import ZeroEngine

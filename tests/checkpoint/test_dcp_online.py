@@ -15,8 +15,8 @@ from dcp_workers import zero_save_then_train
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from zero_strategy.checkpoint.dcp_export import export_to_dcp
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.dcp.export import export_to_dcp
 from zero_strategy.testing import run_ranks
 
 
@@ -64,7 +64,7 @@ def test_online_save_equals_the_offline_export(tmp_path, layout):
 
 
 def _save_twice(rank, world, path):
-    from zero_strategy.checkpoint.dcp_save import save_dcp
+    from zero_strategy.checkpoint.dcp.save import save_dcp
 
     _, _, engine = build(3)
     save_dcp(engine, path, trainer_state(0), INFO)
@@ -89,7 +89,7 @@ def test_a_save_over_a_dcp_checkpoint_replaces_it_in_place(tmp_path):
 
 
 def _save_to(rank, world, path):
-    from zero_strategy.checkpoint.dcp_save import save_dcp
+    from zero_strategy.checkpoint.dcp.save import save_dcp
 
     _, _, engine = build(3)
     try:

@@ -29,12 +29,12 @@ from torch.utils.data import DataLoader, TensorDataset
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-import zero_strategy.checkpoint.hf_export as hf_export_module  # noqa: E402
+import zero_strategy.checkpoint.export.hf_export as hf_export_module  # noqa: E402
 from zero_strategy import ZeroStrategy  # noqa: E402
-from zero_strategy.checkpoint.__main__ import main as zero_to_fp32  # noqa: E402
-from zero_strategy.checkpoint.hf_export import consolidate_hf  # noqa: E402
-from zero_strategy.checkpoint.hf_layout import HfExportError, KeyMap, parse_size  # noqa: E402
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded  # noqa: E402
+from zero_strategy.checkpoint.export.cli import main as zero_to_fp32  # noqa: E402
+from zero_strategy.checkpoint.export.hf_export import consolidate_hf  # noqa: E402
+from zero_strategy.checkpoint.export.hf_layout import HfExportError, KeyMap, parse_size  # noqa: E402
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded  # noqa: E402
 from zero_strategy.config import ZeroConfig  # noqa: E402
 from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
 
@@ -264,6 +264,65 @@ def test_keys_outside_the_prefix_are_an_error_until_dropped(wrapped_ckpt, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
+# ------------------------------------------------------------------------------- names against the config's model
+@pytest.mark.timeout(120)
+def test_the_one_prefix_that_fits_is_stripped_and_said(tmp_path, capsys, transformers_warnings):
+    """No --strip-prefix for a model held as ``self.model``: the names would fit no parameter of the config's model
+    (from_pretrained would load random weights with a warning); the one prefix that makes every name fit is
+    stripped, stderr says so, and the directory loads with no missing or unexpected key and the module's logits."""
+    torch.manual_seed(0)
+    module = nn.ModuleDict({"model": GPT2LMHeadModel(gpt2_config())})
+    logits = _logits(module["model"].eval())
+    ckpt = _save_one_rank(module, tmp_path / "ck")
+    gpt2_config().save_pretrained(tmp_path / "config")
+    argv = [str(ckpt), "--hf", str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"), "--no-progress"]
+    assert zero_to_fp32(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: stripped the prefix 'model.'" in err and "--strip-prefix model." in err, err
+    assert "transformer.wte.weight" in _file_keys(tmp_path / "hf")
+    transformers_warnings.clear()
+    model = _load(AutoModelForCausalLM, tmp_path / "hf")
+    assert not [w for w in transformers_warnings if "initialized" in w or "not used" in w], transformers_warnings
+    assert (_logits(model) - logits).abs().max().item() <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_names_that_fit_nothing_are_refused_naming_the_prefix(wrapped_ckpt, tmp_path, capsys):
+    """A key outside every prefix that fits (``loss_weight``), or a config of another architecture: refused before
+    anything is written, naming the names, the prefix to strip and what to drop (once dropped, the prefix is found);
+    ``check_names=False`` writes."""
+    ckpt, logits = wrapped_ckpt
+    gpt2_config().save_pretrained(tmp_path / "config")
+    argv = [str(ckpt), "--hf", str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"), "--no-progress"]
+    assert zero_to_fp32(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'loss_weight'" in err and "random initial values" in err, err
+    assert "--strip-prefix model. --drop loss_weight" in err, err
+    assert not (tmp_path / "hf").exists()
+    assert zero_to_fp32([*argv, "--drop", "loss_weight"]) == 0  # what is left then fits under one prefix
+    assert "note: stripped the prefix 'model.'" in capsys.readouterr().err
+    assert (_logits(_load(AutoModelForCausalLM, tmp_path / "hf")) - logits).abs().max().item() <= 1e-6
+    (tmp_path / "hf").rename(tmp_path / "hf-dropped")
+    bert = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 37}  # fmt: skip
+    key_map = KeyMap(strip_prefix="model.", drop=("loss_weight",))
+    with pytest.raises(HfExportError, match=r"fit no parameter or buffer of Bert.*'transformer\.wte\.weight'"):
+        consolidate_hf(ckpt, tmp_path / "hf", bert, key_map=key_map, progress=False)
+    assert not (tmp_path / "hf").exists()
+    out = consolidate_hf(ckpt, tmp_path / "hf", bert, key_map=key_map, progress=False, check_names=False)
+    assert "transformer.wte.weight" in _file_keys(out)  # what the caller asked for, unchecked
+
+
+@pytest.mark.timeout(120)
+def test_a_config_transformers_cannot_build_is_written_unchecked_and_said(wrapped_ckpt, tmp_path):
+    ckpt, _ = wrapped_ckpt
+    notes: list[str] = []
+    out = consolidate_hf(ckpt, tmp_path / "hf", {"model_type": "no_such_architecture"}, progress=False,
+                         key_map=KeyMap(strip_prefix="model.", drop=("loss_weight",)), note=notes.append)  # fmt: skip
+    assert "transformer.wte.weight" in _file_keys(out)
+    assert len(notes) == 1 and "not checked" in notes[0] and "no_such_architecture" in notes[0], notes
+
+
 @pytest.mark.timeout(120)
 def test_existing_non_empty_directory_is_refused(wrapped_ckpt, tmp_path, capsys):
     ckpt, _ = wrapped_ckpt
@@ -378,18 +437,19 @@ def test_unreadable_sizes_are_refused(size, problem):
 # ------------------------------------------------------------------------------------------------ memory
 RSS_DRIVER = """
 import json, sys
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.hf_export import consolidate_hf
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.export.hf_export import consolidate_hf
 from zero_strategy.process_memory import reset_peak, status_bytes
 
 def rss_mib(field):
     return status_bytes(field) / 2**20
 
 config = {"model_type": "gpt2"}
-consolidate_hf(sys.argv[1], sys.argv[3] + "/warm", config, progress=False)  # lazy initialisation, not ours to count
+# check_names=False: the layers are no GPT-2 (the config is only there to be copied)
+consolidate_hf(sys.argv[1], sys.argv[3] + "/warm", config, progress=False, check_names=False)  # lazy initialisation
 reset_peak()
 base = rss_mib("VmRSS")
-consolidate_hf(sys.argv[2], sys.argv[3] + "/hf", config, max_shard_size="40MB", progress=False)
+consolidate_hf(sys.argv[2], sys.argv[3] + "/hf", config, max_shard_size="40MB", progress=False, check_names=False)
 streamed = rss_mib("VmHWM")
 reset_peak()
 base_pt = rss_mib("VmRSS")

@@ -16,12 +16,12 @@ from helpers.models import make_model
 from safetensors.torch import load, save_file
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.format import CheckpointError
-from zero_strategy.checkpoint.pretrained import load_pretrained_into_module, open_pretrained
-from zero_strategy.checkpoint.pretrained_keys import PretrainedMismatchError, alias_groups, expected_shapes, match_keys
-from zero_strategy.checkpoint.safetensors_io import write_safetensors
-from zero_strategy.checkpoint.save import save_sharded
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.safetensors_io import write_safetensors
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.pretrained.keys import PretrainedMismatchError, alias_groups, expected_shapes, match_keys
+from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module, open_pretrained
+from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.process_memory import reset_peak, status_bytes

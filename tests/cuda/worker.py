@@ -48,10 +48,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, ZeroPrecision
-from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.base.format import PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights, restore_rank_rng
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.core.plan.precision import NORMALIZATION_LAYERS
 
 STEPS, ACCUM, PER_RANK, VOCAB, WIDTH = 3, 2, 4, 32, 64

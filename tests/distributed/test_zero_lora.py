@@ -12,8 +12,8 @@ from helpers.lora import lora_batches, lora_loss, make_lora_model
 from helpers.models import assert_state_close, clone_state
 from torch.nn.parallel import DistributedDataParallel
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.memory import memory_report

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zero_strategy.checkpoint.format import MANIFEST_NAME
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 IMPORT_LINE = "from my_project import MyLightningModule, my_dataloader"

@@ -22,7 +22,7 @@ from helpers.models import assert_state_close
 from torch import nn
 
 from zero_strategy import ZeroFabricStrategy
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.testing import run_ranks
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zero_strategy import consolidate
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 IMPORT_LINE = "from my_project import MyModel, my_dataloader"

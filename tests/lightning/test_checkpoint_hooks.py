@@ -20,7 +20,7 @@ from helpers.models import TiedLM, lm_loss
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from zero_strategy import ZeroStrategy
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
 FROZEN = "net.blocks.1."

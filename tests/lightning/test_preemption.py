@@ -24,8 +24,8 @@ from helpers.lit import LitTiedLM, state_of, train_loader, trainer_kwargs
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from zero_strategy import ZeroStrategy
-from zero_strategy.checkpoint.format import MANIFEST_NAME
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.testing import run_ranks
 
 JOB_ID = "4242"

@@ -20,7 +20,7 @@ from helpers.lit import state_of, train_loader, trainer_kwargs, val_loader
 from helpers.models import TiedLM, assert_state_close, lm_loss
 from torch import nn
 
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
 

@@ -21,9 +21,9 @@ import torch
 from helpers import lit
 from helpers.models import assert_state_close
 
-from zero_strategy.checkpoint.consolidate import consolidate
-from zero_strategy.checkpoint.format import MANIFEST_NAME, CheckpointError
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, CheckpointError
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 CLEARED_ENV = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "RANK", "MASTER_ADDR", "PL_GLOBAL_SEED"}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.save_matrix import CALL_SITES, CONSTRUCTIONS, run
 
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.consolidate import consolidate
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 CLEARED_ENV = {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "RANK", "MASTER_ADDR", "PL_GLOBAL_SEED"}

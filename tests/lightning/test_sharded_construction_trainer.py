@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import zero_strategy
 from zero_strategy import ZeroStrategy
-from zero_strategy.checkpoint.consolidate import consolidate
+from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.testing import run_ranks
 
 Run = tuple[Callable[[], object], Callable[[], pl.LightningModule]]  # (strategy, module), made on the rank

@@ -200,7 +200,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="manifest-offset-off-by-one",
         area="checkpoint",
-        file="zero_strategy/checkpoint/save.py",
+        file="zero_strategy/checkpoint/sharded/save.py",
         original="ParamEntry(stored[span.name], list(span.shape), span.offset, span.numel,",
         replacement="ParamEntry(stored[span.name], list(span.shape), span.offset + 1, span.numel,",
         description="the manifest records each parameter one element after where its shard holds it",
@@ -209,7 +209,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="rng-not-restored",
         area="checkpoint",
-        file="zero_strategy/checkpoint/rng.py",
+        file="zero_strategy/checkpoint/base/rng.py",
         original='    torch.set_rng_state(tensors["rng/torch_cpu"])\n',
         replacement="",
         description="resume: torch's CPU generator is not restored (dropout masks differ from the uninterrupted run)",
@@ -219,7 +219,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="optimizer-state-skipped-on-resume",
         area="checkpoint",
-        file="zero_strategy/checkpoint/load.py",
+        file="zero_strategy/checkpoint/sharded/load.py",
         original="    for name in names:\n",
         replacement="    for name in names[1:]:\n",
         description="resume: the first element-wise optimizer state (momentum / exp_avg) is not loaded",
@@ -228,7 +228,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="consolidation-forgets-tied-key",
         area="checkpoint",
-        file="zero_strategy/checkpoint/consolidate.py",
+        file="zero_strategy/checkpoint/export/consolidate.py",
         original="            yield entry.key, seen[entry.param]",
         replacement="            continue",
         description="zero-to-fp32 (.pt/.bin/.ckpt): a tied parameter's second key is left out of the state_dict",
@@ -237,7 +237,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="save-not-staged",
         area="checkpoint",
-        file="zero_strategy/checkpoint/save.py",
+        file="zero_strategy/checkpoint/sharded/save.py",
         original='        root, fresh = path.parent / f".{path.name}.partial-{checkpoint_id}", True',
         replacement="        root, fresh = path, False",
         description="save: a new checkpoint is written in place instead of under a temporary name renamed at the end",
@@ -247,7 +247,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="save-returns-before-publish",
         area="checkpoint",
-        file="zero_strategy/checkpoint/save.py",
+        file="zero_strategy/checkpoint/sharded/save.py",
         original='    failures = everyone.broadcast_object(failures, 0, "checkpoint outcome")',
         replacement="    pass",
         description="save: ranks other than 0 return without waiting for rank 0 to publish (the closing barrier "

@@ -145,10 +145,10 @@ def test_nvme_offload_halves_resident_memory_of_an_optimizer_heavy_model(tmp_pat
 
 def train_with_checkpoint(rank: int, world: int, options: dict, path: str, mode: str) -> dict[str, torch.Tensor]:
     """4 AdamW steps; mode "save" checkpoints after step 2, "load" starts from that checkpoint."""
-    from zero_strategy.checkpoint.format import PARAM_GROUPS_KEY
-    from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
-    from zero_strategy.checkpoint.reader import ShardedCheckpoint
-    from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+    from zero_strategy.checkpoint.base.format import PARAM_GROUPS_KEY
+    from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
+    from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+    from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 
     torch.manual_seed(0)
     model = Net()

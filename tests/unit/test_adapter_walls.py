@@ -32,17 +32,12 @@ PLUMBING = {  # module -> why it may import torch.distributed and call collectiv
     "implements Lightning's strategy collectives (barrier, broadcast, reduce) for both adapters, through "
     "core/comm/control.py and Lightning's own reduction",
 }
-PENDING = {  # module -> why it is allowed for now; to be emptied
-    "zero_strategy/fabric/full_state.py": "its whole-FlatParam gathers move to core/flat's gather primitive in the "
-    "checkpoint-rooms branch of issue 33; remove this entry when that lands",
-}
 LIGHTNING_FREE = {  # adapter modules that import no Lightning yet are adapter code: what each adapts
     "zero_strategy/lightning/hook_state_dict.py": "what edits in Lightning's on_save/on_load_checkpoint hooks mean",
     "zero_strategy/lightning/private_tensors.py": "the remedy for tensors Lightning's spawn launcher leaves shared",
     "zero_strategy/fabric/optimizer_class.py": "zero_grad through Fabric's _FabricOptimizer wrapper",
     "zero_strategy/fabric/sharded_modules.py": "the modules Fabric's setup_module/setup_optimizers set up, in "
     "Fabric's order",
-    "zero_strategy/fabric/full_state.py": "Fabric's get_optimizer_state (pending, see PENDING)",
     "zero_strategy/lightning/sharded_model.py": "the engine across the Trainer's runs (fit, validate, test) and what "
     "trainer.save_checkpoint writes in each of its states",
     "zero_strategy/adapter_plumbing/precision_takeover.py": "one Lightning connector's precision choice",
@@ -113,7 +108,7 @@ def collective_uses(source: str) -> list[str]:
 def test_no_collective_and_no_torch_distributed_in_the_adapters():
     offenders = {}
     for path in _adapter_files():
-        if _rel(path) in PLUMBING or _rel(path) in PENDING:
+        if _rel(path) in PLUMBING:
             continue
         uses = collective_uses(path.read_text())
         if uses:
@@ -121,7 +116,7 @@ def test_no_collective_and_no_torch_distributed_in_the_adapters():
     assert offenders == {}, (
         "the adapters issue no collectives: call the engine, the checkpoint code or adapter_plumbing/process_group.py"
     )
-    assert all((REPO / p).exists() for p in (*PLUMBING, *PENDING)), "a listed module no longer exists: remove it"
+    assert all((REPO / p).exists() for p in PLUMBING), "a listed module no longer exists: remove it"
 
 
 def _is_alias(tree: ast.Module) -> bool:

@@ -52,8 +52,8 @@ WITHOUT_LIGHTNING = textwrap.dedent(
 
     # zero-to-fp32 on a real one-rank stage-3 checkpoint
     from zero_strategy import ZeroConfig, ZeroEngine
-    from zero_strategy.checkpoint.__main__ import main as zero_to_fp32
-    from zero_strategy.checkpoint.save import SaveInfo, save_sharded
+    from zero_strategy.checkpoint.export.cli import main as zero_to_fp32
+    from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
@@ -205,6 +205,104 @@ def test_core_rooms_import_downwards_only():
     assert sorted(set(CORE_ROOMS) | {"stage.py", "once.py", "__init__.py"}) == sorted(
         p.name for p in (PACKAGE / "core").iterdir() if p.name != "__pycache__"), "a new room belongs in CORE_ROOMS"
     assert not upward, upward
+
+
+# Each checkpoint room and the rooms it may import (the order of the package docstring of zero_strategy.checkpoint):
+# base <- sharded <- {dcp, export}; dcp <- pretrained; everything <- strategy_io.
+CHECKPOINT_ROOMS = {
+    "base": set(),
+    "sharded": {"base"},
+    "dcp": {"base", "sharded"},
+    "export": {"base", "sharded"},
+    "pretrained": {"base", "sharded", "dcp"},
+    "strategy_io": {"base", "sharded", "dcp", "export", "pretrained"},
+}
+# The modules directly in checkpoint/: old import paths kept as aliases of their new homes, and ``python -m``.
+CHECKPOINT_ALIASES = {"consolidate", "hf_export", "save", "dcp_load", "dcp_cli", "__main__"}
+
+
+def _checkpoint_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["zero_strategy", "checkpoint"] and len(parts) >= 4 else None
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_rooms_import_one_way():
+    """checkpoint/'s rooms import only the rooms before them, never an old-path alias, an adapter or the engine: they
+    read a sharded model through the protocols of checkpoint/base/writable.py and loadable.py."""
+    checkpoint = PACKAGE / "checkpoint"
+    rooms = sorted(p.name for p in checkpoint.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == sorted(CHECKPOINT_ROOMS), "a new checkpoint room belongs in CHECKPOINT_ROOMS"
+    loose = sorted(p.stem for p in checkpoint.glob("*.py") if p.stem != "__init__")
+    assert loose == sorted(CHECKPOINT_ALIASES), "new checkpoint code belongs in a room; the top level holds aliases"
+    graph = _import_graph()
+    forbidden = []
+    for module, targets in graph.items():
+        room = _checkpoint_room(module)
+        if room is None:
+            continue
+        for target in targets:
+            target_room = _checkpoint_room(target)
+            if target.startswith("zero_strategy.checkpoint.") and target_room is None:
+                forbidden.append(f"{module} -> {target} (an alias or the package root)")
+            elif target_room is not None and target_room != room and target_room not in CHECKPOINT_ROOMS[room]:
+                forbidden.append(f"{module} -> {target}")
+            elif target.startswith(("zero_strategy.core.step.engine", "zero_strategy.fabric")):
+                forbidden.append(f"{module} -> {target}")
+    assert forbidden == []
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_aliases_re_export_their_new_homes():
+    """The old import paths a user may hold (the README names some) still give the same objects."""
+    import importlib
+
+    from zero_strategy.checkpoint.dcp.load import load_dcp
+    from zero_strategy.checkpoint.export.consolidate import consolidate
+    from zero_strategy.checkpoint.export.hf_export import HfExportError, KeyMap, consolidate_hf
+    from zero_strategy.checkpoint.pretrained.open import open_pretrained
+    from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
+
+    old = {
+        "zero_strategy.checkpoint.consolidate": {"consolidate": consolidate},
+        "zero_strategy.checkpoint.hf_export": {"consolidate_hf": consolidate_hf, "KeyMap": KeyMap,
+                                               "HfExportError": HfExportError},
+        "zero_strategy.checkpoint.dcp_load": {"load_dcp": load_dcp},
+        "zero_strategy.checkpoint.save": {"SaveInfo": SaveInfo, "save_sharded": save_sharded},
+        "zero_strategy.checkpoint.pretrained": {"open_pretrained": open_pretrained},
+    }
+    for path, names in old.items():
+        module = importlib.import_module(path)
+        assert {name: getattr(module, name) for name in names} == names, path
+        assert all(name in module.__all__ for name in names), path
+    assert zero_strategy.consolidate is consolidate
+    pretrained = importlib.import_module("zero_strategy.checkpoint.pretrained")
+    assert zero_strategy.load_pretrained is pretrained.load_pretrained
+    for alias in CHECKPOINT_ALIASES - {"__main__"}:
+        assert "Old import path" in (importlib.import_module(f"zero_strategy.checkpoint.{alias}").__doc__ or ""), alias
+    scripts = (REPO / "pyproject.toml").read_text()
+    for entry in re.findall(r'"(zero_strategy\.checkpoint[\w.]*):(\w+)"', scripts):
+        assert callable(getattr(importlib.import_module(entry[0]), entry[1])), entry
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_files_stay_small():
+    """No file in checkpoint/ over 350 lines (as in core/)."""
+    too_long = {str(p.relative_to(REPO)): p.read_text().count("\n") for p in (PACKAGE / "checkpoint").rglob("*.py")}
+    assert {path: lines for path, lines in too_long.items() if lines > 350} == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_whole_flat_param_is_gathered_in_one_place():
+    """Outside the comm room (which implements it) only core/flat calls ``all_gather``: the FlatParam's own
+    lifecycle, its secondary copy, and core/flat/whole.py, the one gather of a whole FlatParam that releasing the
+    engine and the consolidated Fabric file use."""
+    callers = sorted(
+        _module_name(path) for path in PACKAGE.rglob("*.py")
+        if re.search(r"\ball_gather(_into_tensor)?\(", path.read_text())
+        and not _module_name(path).startswith(("zero_strategy.core.comm", "zero_strategy.core.flat"))
+    )
+    assert callers == [], callers
 
 
 TRANSPORTS = {

@@ -21,21 +21,7 @@ SCANNED = ("zero_strategy", "tests", "examples", "benchmarks", "docs")
 PACKAGE_BASES = (REPO / "zero_strategy", REPO / "zero_strategy" / "core")
 # files whose paths are made-up examples (a checker's own fixtures), not pointers
 EXAMPLES = (Path(__file__).resolve(), REPO / "tests" / "unit" / "test_mutation_check.py")
-# Stale pointers left to their owners while issue 33's branches are in flight; each entry must still be stale (the
-# test says when one is fixed), and nothing else may be.
-OWNED_ELSEWHERE = {
-    # zero_strategy/checkpoint/ is being split into rooms on another branch, which fixes its own pointers
-    "zero_strategy/checkpoint/boxes.py: [Note: a flat range is at most ...] is defined nowhere",
-    "zero_strategy/checkpoint/load.py: core/optimizer.py",
-}
 
-
-def _unowned(stale: list[str]) -> list[str]:
-    return [entry for entry in stale if _without_line(entry) not in OWNED_ELSEWHERE]
-
-
-def _without_line(entry: str) -> str:
-    return re.sub(r"^([^:]+):\d+:", r"\1:", entry)
 
 # a Note's name may wrap onto the next line of a comment
 _GAP = r"(?:\s*\n\s*(?:#+\s*)?|\s+)"
@@ -131,7 +117,7 @@ def stale_paths(files: list[Path]) -> list[str]:
 def test_every_cited_note_is_defined_where_the_citation_says():
     defined, citations = collect()
     assert len(citations) > 50 and sum(map(len, defined.values())) > 50, "the scanner found almost nothing"
-    assert _unowned(stale_citations(defined, citations)) == []
+    assert stale_citations(defined, citations) == []
 
 
 @pytest.mark.timeout(60)
@@ -146,15 +132,7 @@ def test_no_note_is_defined_twice():
 
 @pytest.mark.timeout(60)
 def test_every_repository_path_in_the_prose_exists():
-    assert _unowned(stale_paths(scanned_files())) == []
-
-
-@pytest.mark.timeout(60)
-def test_the_pointers_left_to_other_branches_are_still_stale():
-    """An entry of OWNED_ELSEWHERE that no longer shows up has been fixed: remove it."""
-    defined, citations = collect()
-    found = {_without_line(entry) for entry in (*stale_citations(defined, citations), *stale_paths(scanned_files()))}
-    assert sorted(OWNED_ELSEWHERE - found) == []
+    assert stale_paths(scanned_files()) == []
 
 
 # ------------------------------------------------------------------------------- the checks can fail

@@ -3,15 +3,15 @@
 [Note: what a Fabric checkpoint holds]
 Fabric's state is a dict of modules, optimizers, stateful objects (``state_dict``/``load_state_dict``: LR
 schedulers, stateful data loaders) and plain values. By default ``fabric.save(path, state)`` writes this package's
-sharded directory (checkpoint/format.py): the set-up module's master slices and, when the state holds its
+sharded directory (checkpoint/base/format.py): the set-up module's master slices and, when the state holds its
 optimizers, their state, one shard per rank, nothing gathered; the other entries, the keys that name the module
 and the optimizers, and the loss scaler go into its trainer-state file. ``fabric.load(path, state, strict)`` reads
 it at any world size and stage (by parameter name and element range) and restores each entry in place;
 ``strict=False`` skips entries the checkpoint lacks and loads the parameters that match. ``state_dict_type="full"``
 (or a ``filter`` on a module or optimizer) writes one consolidated file instead (see [Note: the consolidated
-Fabric file] in full_state.py), which loads back the same way. ``fabric.load_raw(path, model)`` reads a plain state
-dict (a torch file, safetensors, a Hugging Face or zero-to-fp32 output, a sharded directory) memory-mapped, each
-rank reading only the element ranges it keeps. One set-up module per checkpoint.
+Fabric file] in checkpoint/strategy_io/full_state.py), which loads back the same way. ``fabric.load_raw(path, model)``
+reads a plain state dict (a torch file, safetensors, a Hugging Face or zero-to-fp32 output, a sharded directory)
+memory-mapped, each rank reading only the element ranges it keeps. One set-up module per checkpoint.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning
-import torch
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_strategy.checkpoint.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY, CheckpointError
-from zero_strategy.checkpoint.load import check_compatible, load_optimizer_state, load_weights
-from zero_strategy.checkpoint.pretrained import open_pretrained
-from zero_strategy.checkpoint.pretrained_keys import alias_groups, expected_shapes, match_keys
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo, save_sharded
-from zero_strategy.core.init.materialize import Pretrained, load_pretrained
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY
+from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import save_sharded
+from zero_strategy.checkpoint.strategy_io.full_state import (
+    full_optimizer_state,
+    full_weights,
+    load_full_optimizer_state,
+)
+from zero_strategy.checkpoint.strategy_io.save_info import save_info
+from zero_strategy.checkpoint.strategy_io.whole_file import load_raw_module, read_whole_file, write_whole_file
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.fabric.full_state import full_optimizer_state, full_weights, load_full_optimizer_state
 from zero_strategy.fabric.precision import ZeroFabricPrecision
 from zero_strategy.fabric.sharded_modules import ShardedModule, ShardedModules
-from zero_strategy.version import library_version
 
 FABRIC_KEY = "zero_strategy.fabric"
 """The entry where a Fabric checkpoint records which keys are the module and optimizers, and the loss scaler."""
@@ -119,12 +119,7 @@ class FabricCheckpoints:
                 _apply_filter(key, filter, full_optimizer_state(engine, engine.optimizers[index]), content)
             content[FABRIC_KEY] = _record(sorted_state, precision)
         if self.is_leader():  # the others hold no values (see [Note: the consolidated Fabric file])
-            if path.is_dir():
-                raise CheckpointError(f"{path} is a directory; the consolidated checkpoint is one file")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.partial")
-            torch.save(content, partial)
-            os.replace(partial, path)  # a crash mid-save leaves the previous file
+            write_whole_file(path, content)
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, path: str | os.PathLike, state: Any, precision: ZeroFabricPrecision, strict: bool,
@@ -136,12 +131,12 @@ class FabricCheckpoints:
             load_raw_module(self.modules.find(state).engine, target, strict)
             return {}
         if isinstance(state, Optimizer):
-            content = _load_file(target, weights_only)
+            content = read_whole_file(target, weights_only)
             load_full_optimizer_state(self.modules.engine_of(state), state, content)
             return {}
         if target.is_dir() and (target / MANIFEST_NAME).is_file():
             return self._load_sharded(target, state or {}, precision, strict, weights_only)
-        content = _load_file(target, weights_only)
+        content = read_whole_file(target, weights_only)
         if not state:
             return {key: value for key, value in content.items() if key != FABRIC_KEY}
         return self._load_full(content, state, precision, strict)
@@ -187,15 +182,6 @@ class FabricCheckpoints:
         return _restore_others(state, set(sorted_state.other), content)
 
 
-def save_info(
-    precision: str, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None
-) -> SaveInfo:
-    """What a checkpoint's manifest records besides the engine (both adapters' saves); ``renames``: the keys the
-    Trainer's save hooks renamed or dropped."""
-    versions = {"zero_strategy": library_version(), "torch": torch.__version__, "lightning": lightning.__version__}
-    return SaveInfo(precision, {}, versions, dict(extra or {}), dict(renames or {}))
-
-
 def _record(sorted_state: SortedState, precision: ZeroFabricPrecision) -> dict[str, Any]:
     return {"module": sorted_state.module_key, "optimizers": dict(sorted_state.optimizer_keys),
             "precision": precision.state_dict()}
@@ -213,23 +199,3 @@ def _restore_others(state: dict[str, Any], others: set[str], saved: dict[str, An
         else:
             state[key] = remainder.pop(key)
     return remainder
-
-
-def _load_file(path: Path, weights_only: bool | None) -> dict[str, Any]:
-    """A consolidated checkpoint, memory-mapped (every rank reads it; each copies only its ranges)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path} is neither a ZeRO sharded checkpoint directory nor a checkpoint file")
-    safe = True if weights_only is None else weights_only
-    return dict(torch.load(path, mmap=True, map_location="cpu", weights_only=safe))
-
-
-def load_raw_module(engine: ZeroEngine, path: Path, strict: bool) -> None:
-    """A whole state dict (any pretrained kind ``open_pretrained`` reads) into ``engine``'s slices, each rank reading
-    only the element ranges it keeps; buffers whole. Collective (the slices are published)."""
-    module = engine.module
-    with open_pretrained(path) as source:
-        match = match_keys(source, expected_shapes(module), strict, alias_groups(module), str(source.path))
-        plan = {name: (source, source_name) for name, source_name in match.plan.items()}
-        engine.before_load()
-        load_pretrained(module, engine.flat_params, Pretrained(plan), engine.ctx.rank)
-    engine.after_load()

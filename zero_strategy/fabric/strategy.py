@@ -270,7 +270,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole optimizer state keyed by parameter name, on rank 0 (``{}`` on the others). Collective."""
-        from zero_strategy.fabric.full_state import full_optimizer_state
+        from zero_strategy.checkpoint.strategy_io.full_state import full_optimizer_state
 
         return full_optimizer_state(self._modules.engine_of(optimizer), optimizer)
 

@@ -27,9 +27,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from zero_strategy.checkpoint.load import load_optimizer_state, load_weights, restore_rank_rng
-from zero_strategy.checkpoint.renamed import RenamedCheckpoint
-from zero_strategy.checkpoint.source import ReadableCheckpoint
+from zero_strategy.checkpoint.base.renamed import RenamedCheckpoint
+from zero_strategy.checkpoint.base.source import ReadableCheckpoint
+from zero_strategy.checkpoint.sharded.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO

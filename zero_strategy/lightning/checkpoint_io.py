@@ -21,30 +21,30 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from zero_strategy.checkpoint.dcp_paths import is_dcp_directory
-from zero_strategy.checkpoint.format import (
+from zero_strategy.checkpoint.base.format import (
     BUFFERS_KEY,
     MANIFEST_NAME,
     NO_OPTIMIZER_STATE_KEY,
     PARAM_GROUPS_KEY,
     CheckpointError,
 )
-from zero_strategy.checkpoint.load import check_compatible
-from zero_strategy.checkpoint.module_snapshot import ModuleSnapshot
-from zero_strategy.checkpoint.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.save import SaveInfo
-from zero_strategy.checkpoint.source import ReadableCheckpoint
-from zero_strategy.checkpoint.writer_choice import save_checkpoint_as
+from zero_strategy.checkpoint.base.source import ReadableCheckpoint
+from zero_strategy.checkpoint.dcp.paths import is_dcp_directory
+from zero_strategy.checkpoint.sharded.load import check_compatible
+from zero_strategy.checkpoint.sharded.module_snapshot import ModuleSnapshot
+from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.save import SaveInfo
+from zero_strategy.checkpoint.strategy_io.save_info import save_info
+from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.fabric.checkpoint import save_info
 
 if TYPE_CHECKING:
-    from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
+    from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
 
 
 class ShardedCheckpointIO(CheckpointIO):
-    """Writes and reads zero_strategy sharded checkpoint directories (see zero_strategy/checkpoint/format.py)."""
+    """Writes and reads zero_strategy sharded checkpoint directories (see zero_strategy/checkpoint/base/format.py)."""
 
     def __init__(self) -> None:
         self._engine: ZeroEngine | None = None
@@ -120,7 +120,7 @@ class ShardedCheckpointIO(CheckpointIO):
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         snapshot = ModuleSnapshot(module, config)
         info = self.save_info({NO_OPTIMIZER_STATE_KEY: why}, renames)
-        save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)  # type: ignore[arg-type]
+        save_checkpoint_as(self.checkpoint_format, snapshot, path, state, info)
 
     def save_info(
         self, extra: dict[str, Any] | None = None, renames: dict[str, str | None] | None = None
@@ -155,8 +155,8 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _open_dcp(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         """A DCP directory (ours, or Lightning's FSDP/ModelParallel sharded checkpoint with its ``meta.pt``)."""
-        from zero_strategy.checkpoint.dcp_load import dcp_buffers, module_keys
-        from zero_strategy.checkpoint.dcp_reader import DcpCheckpoint
+        from zero_strategy.checkpoint.dcp.load import dcp_buffers, module_keys
+        from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
 
         assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
         opened = DcpCheckpoint(path, expected=module_keys(self.module))
@@ -190,7 +190,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if isinstance(self.opened, ShardedCheckpoint):
             check_compatible(self.engine, view, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
             return
-        from zero_strategy.checkpoint.dcp_load import check_dcp_compatible, param_groups_for
+        from zero_strategy.checkpoint.dcp.load import check_dcp_compatible, param_groups_for
 
         check_dcp_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
         if with_optimizer:

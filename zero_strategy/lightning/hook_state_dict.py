@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.checkpoint.format import CheckpointError
-from zero_strategy.checkpoint.source import ReadableCheckpoint
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 
 
 def _placeholder(tensor: Tensor) -> Tensor:

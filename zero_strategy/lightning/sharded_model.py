@@ -12,8 +12,8 @@ writes in each of its states.
   left sharded keep the slices as their only copy). The optimizer state is written when the Trainer's optimizers
   are still the last fit's; a validate/test after the fit keeps them, a new fit replaces them.
 - PLAIN (no engine in this process: the main process of a spawn launcher, or a module never sharded here): a
-  checkpoint of one rank is written from the module itself (checkpoint/module_snapshot.py) if the module holds the
-  weights: built eagerly, with the trained weights handed back by Lightning after a spawn-launched fit. The
+  checkpoint of one rank is written from the module itself (checkpoint/sharded/module_snapshot.py) if the module
+  holds the weights: built eagerly, with the trained weights handed back by Lightning after a spawn-launched fit. The
   optimizer state does not exist here; the manifest says so and why, and a resume from it stops with that reason.
   A module that does not hold them — built in ``configure_model`` or under ``init_module(empty_init=True)``, whose
   values only the exited workers held — makes the save raise, naming the saves that work (during fit, or the plain
@@ -29,7 +29,7 @@ from enum import Enum, auto
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_strategy.checkpoint.format import CheckpointError
+from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.core.step.release import adopt_module_values
 

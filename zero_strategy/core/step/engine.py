@@ -157,11 +157,6 @@ class ZeroEngine:
         return self.comms.log
 
     @property
-    def ctx(self) -> RankPlace:
-        """The old name of :attr:`place` (zero_strategy/checkpoint/ still reads it)."""
-        return self.place
-
-    @property
     def flat_params(self) -> list[FlatParam]:
         return [flat for unit in self.units for flat in unit.flat_params]
 

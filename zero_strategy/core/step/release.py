@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
 
 
 def gather_into_module(flat: FlatParam) -> None:
@@ -35,13 +36,11 @@ def gather_into_module(flat: FlatParam) -> None:
     masters under mixed precision, not the compute copies): the module works without us and holds the weights the
     optimizer produced. Collective over the shard group (through the FlatParam's own Comm)."""
     flat.settle()
-    device = flat.full.device
-    whole = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=device)
-    flat.comm.all_gather(whole, flat.shard.to(device, copy=True), f"release of {flat.label}").wait()
+    whole = gather_whole(flat, flat.shard, f"release of {flat.label}")
     flat.own_shard()  # it may be a view of the gathered buffer (private or host-wide) or of a file, dropped below
     with torch.no_grad():
-        for span, param in zip(flat.layout.spans, flat.params, strict=True):
-            param.data = whole[span.offset : span.end].view(span.shape).clone()
+        for (_, values), param in zip(param_views(flat, whole), flat.params, strict=True):
+            param.data = values.clone()
     flat.storage.detach_full()
 
 
@@ -64,10 +63,10 @@ def adopt_module_values(flats: Iterable[FlatParam]) -> None:
     module holds, even if the user changed it since."""
     with torch.no_grad():
         for flat in flats:
-            for piece in flat.layout.overlaps(flat.rank):
-                param = flat.params[flat.names.index(piece.name)]
-                if not param.is_meta:
-                    values = param.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+            for name, param in zip(flat.names, flat.params, strict=True):
+                if param.is_meta:
+                    continue
+                for piece, values in own_parts(flat, name, param.detach()):
                     flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
 
 

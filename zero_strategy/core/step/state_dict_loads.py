@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import is_tensor_like
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.whole import own_parts
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 
 
@@ -87,9 +87,5 @@ class StateDictLoads:
 
 def _write_own_ranges(flat: FlatParam, index: int, value: Tensor) -> None:
     """This rank's element ranges of parameter ``index`` of ``flat`` from its whole ``value``."""
-    name = flat.names[index]
-    values = torch.reshape(value, (-1,)).detach()  # a torch function: a lazily loaded tensor loads itself here
-    for overlap in flat.layout.overlaps(flat.rank):
-        if overlap.name == name:
-            part = values[overlap.param_start : overlap.param_start + overlap.numel]
-            flat.write_shard_range(index, overlap.param_start, part.to(flat.shard.device))
+    for overlap, part in own_parts(flat, flat.names[index], value):
+        flat.write_shard_range(index, overlap.param_start, part.detach().to(flat.shard.device))
