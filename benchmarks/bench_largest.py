@@ -100,9 +100,9 @@ def _build_fsdp2(shape: ModelShape, nvme_dir: str) -> Built:
 
 def _build_zero(shape: ModelShape, nvme_dir: str, nvme: bool) -> Built:
     from zero_strategy.config import OffloadDevice, ZeroConfig
+    from zero_strategy.core.engine.engine import ZeroEngine
     from zero_strategy.core.init import record_construction
     from zero_strategy.core.init.materialize import InitialValues
-    from zero_strategy.core.step.engine import ZeroEngine
 
     with record_construction() as recording:
         model = BenchGPT(shape)

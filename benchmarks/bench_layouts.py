@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.bench_model import PRESETS, build_model, lm_loss, parameter_count, rank_batches
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.core.plan.topology import INTER_NODE, INTRA_NODE
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 WORLD, PER_NODE = 4, 2

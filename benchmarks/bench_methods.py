@@ -16,7 +16,7 @@ from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun
 from benchmarks.bench_deepspeed import build_deepspeed
 from benchmarks.bench_model import BenchGPT
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 
 # The compute floor: what each rank would do as a single process on its per-rank batch (no communication), with the
 # fastest torch step (the fused AdamW kernel), so that every other row's time above it is what distribution adds.

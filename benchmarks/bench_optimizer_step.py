@@ -27,7 +27,7 @@ from torch import nn
 
 from benchmarks.bench_deepspeed_nvme import measure_in_subprocess
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 
 WIDTH = 2048  # one layer: 4.2 M parameters
 

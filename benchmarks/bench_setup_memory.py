@@ -42,8 +42,8 @@ def rank_worker(rank: int, world: int, layers: int, weights_file: str | None) ->
     from safetensors import safe_open
 
     from zero_strategy.config import ZeroConfig
+    from zero_strategy.core.engine.engine import ZeroEngine
     from zero_strategy.core.init import record_construction
-    from zero_strategy.core.step.engine import ZeroEngine
     from zero_strategy.initial_values import initial_values
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed multi-page buffers leave the heap

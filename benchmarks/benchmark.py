@@ -32,8 +32,8 @@ from benchmarks.bench_counter import CollectiveCounter, MethodRun
 from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
 from benchmarks.bench_spread import repetition_table
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.core.flat.access import own_grad
-from zero_strategy.core.step.memory import memory_report
 from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 

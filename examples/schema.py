@@ -17,8 +17,8 @@ from omegaconf import II, MISSING
 
 from examples.gpt import GPTConfig
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.loss_scaler import LossScalerConfig
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.step.loss_scaler import LossScalerConfig
 from zero_strategy.names import BY_NAME
 
 DEEPSPEED_NAMES = ("deepspeed", "deepspeed_spawn")
@@ -72,7 +72,7 @@ class StrategySchema(ZeroConfig):
 @dataclass(kw_only=True)
 class PrecisionSchema(LossScalerConfig):
     """The ``precision`` group: :class:`zero_strategy.ZeroPrecision`; the loss-scale knobs (DeepSpeed's names and
-    defaults) are inherited from the library's :class:`~zero_strategy.core.step.loss_scaler.LossScalerConfig`."""
+    defaults) are inherited from the library's :class:`~zero_strategy.core.engine.loss_scaler.LossScalerConfig`."""
 
     precision: str = "32-true"
     """"32-true", "bf16-mixed" or "16-mixed"."""

@@ -13,11 +13,11 @@ check_torch()  # before anything else: a torch lacking an API we call fails here
 from zero_strategy.checkpoint.export.consolidate import consolidate  # noqa: E402
 from zero_strategy.checkpoint.pretrained.open import load_pretrained  # noqa: E402
 from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # noqa: E402
+from zero_strategy.core.engine.engine import ZeroEngine  # noqa: E402
+from zero_strategy.core.engine.memory import MemoryReport  # noqa: E402
 from zero_strategy.core.flat.access import ShardedParameterError  # noqa: E402
 from zero_strategy.core.flat.in_place_watch import InPlaceChangeWarning  # noqa: E402
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
-from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
-from zero_strategy.core.step.memory import MemoryReport  # noqa: E402
 from zero_strategy.gradients import grad_norm  # noqa: E402
 from zero_strategy.version import library_version  # noqa: E402
 

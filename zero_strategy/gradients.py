@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.engine.engine import engine_of
 from zero_strategy.core.flat.grad_reads import ShardedGradientWarning
-from zero_strategy.core.step.engine import engine_of
 
 __all__ = ["ShardedGradientWarning", "grad_norm"]
 

@@ -21,10 +21,10 @@ from zero_strategy.checkpoint.pretrained.open import (
     pending_loads,
 )
 from zero_strategy.config import MetaInit, ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.release import ReleasedShards
 from zero_strategy.core.init import Recording, record_resets
 from zero_strategy.core.init.materialize import InitialValues, Pretrained, WeightsReader
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.release import ReleasedShards
 
 
 @contextmanager
@@ -57,7 +57,7 @@ def take_back_released(
 ) -> InitialValues:
     """A module whose parameters a previous engine left sharded (fit, then test on the same Trainer) gets them
     back from that engine's slices, each rank reading its own (see [Note: releasing a model built sharded] in
-    core/step/release.py). Weights named by ``values.pretrained`` still win; a recording that built no tensor (the
+    core/engine/release.py). Weights named by ``values.pretrained`` still win; a recording that built no tensor (the
     model existed, ``configure_model`` returned early, perhaps after reseeding) is dropped."""
     if released is None:
         return values

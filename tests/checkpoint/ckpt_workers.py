@@ -17,7 +17,7 @@ from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimiz
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 
 GLOBAL_BATCH = 8
 INFO = SaveInfo("32-true", {}, {"zero_strategy": "test", "torch": torch.__version__})

@@ -22,7 +22,7 @@ from zero_strategy.checkpoint.export.cli import main as zero_to_fp32
 from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 

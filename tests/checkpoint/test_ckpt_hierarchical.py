@@ -11,7 +11,7 @@ from ckpt_workers import GLOBAL_BATCH, build, full_state, load_into, ranks_close
 from helpers.models import make_batches
 from torch import Tensor
 
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS, SAVE_AT = 5, 2

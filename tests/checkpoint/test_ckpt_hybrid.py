@@ -31,7 +31,7 @@ from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimiz
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS, SAVE_AT = 5, 2

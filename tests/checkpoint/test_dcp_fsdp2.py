@@ -82,7 +82,7 @@ def test_other_tools_layouts(tmp_path, layout):
 def _pretrained_worker(rank: int, world: int, path: str) -> dict:
     from ckpt_workers import full_state
 
-    from zero_strategy.core.step.engine import ZeroEngine
+    from zero_strategy.core.engine.engine import ZeroEngine
     from zero_strategy.initial_values import initial_values
 
     model = make_model(seed=7)

@@ -57,9 +57,9 @@ def _meta_built_step_and_save(rank: int, world: int, path: str) -> None:
     from ckpt_workers import INFO, trainer_state
 
     from zero_strategy.checkpoint.sharded.save import save_sharded
+    from zero_strategy.core.engine.engine import ZeroEngine
     from zero_strategy.core.init import record_construction
     from zero_strategy.core.init.materialize import InitialValues
-    from zero_strategy.core.step.engine import ZeroEngine
 
     torch.manual_seed(0)
     with record_construction() as recording:

@@ -36,7 +36,7 @@ from zero_strategy.checkpoint.export.hf_export import consolidate_hf  # noqa: E4
 from zero_strategy.checkpoint.export.hf_layout import HfExportError, KeyMap, parse_size  # noqa: E402
 from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded  # noqa: E402
 from zero_strategy.config import ZeroConfig  # noqa: E402
-from zero_strategy.core.step.engine import ZeroEngine  # noqa: E402
+from zero_strategy.core.engine.engine import ZeroEngine  # noqa: E402
 
 VOCAB, SEQ, STEPS = 100, 12, 4
 INFO = SaveInfo("32-true", {}, {"zero_strategy": "test", "torch": torch.__version__})

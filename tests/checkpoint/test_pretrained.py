@@ -23,7 +23,7 @@ from zero_strategy.checkpoint.pretrained.keys import PretrainedMismatchError, al
 from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module, open_pretrained
 from zero_strategy.checkpoint.sharded.save import save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 

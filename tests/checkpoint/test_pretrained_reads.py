@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.init import record_construction
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.initial_values import initial_values
 from zero_strategy.testing import run_ranks
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS = 3

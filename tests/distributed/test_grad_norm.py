@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zero_strategy
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.once import forget_all
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.gradients import ShardedGradientWarning
 from zero_strategy.testing import run_in_process, run_ranks
 

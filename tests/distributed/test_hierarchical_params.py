@@ -18,10 +18,10 @@ from helpers.models import assert_state_close, clone_state, lm_loss, make_batche
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import INTRA_NODE, Topology
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
 from zero_strategy.estimate.network import estimate_traffic
 from zero_strategy.testing import run_ranks
 

@@ -18,8 +18,8 @@ from helpers.models import assert_state_close, clone_state, lm_loss, make_batche
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.plan.topology import INTER_NODE, INTRA_NODE, Topology, resolve_shard_group_size
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.estimate.network import estimate_traffic
 from zero_strategy.testing import run_ranks
 

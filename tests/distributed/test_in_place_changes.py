@@ -12,8 +12,8 @@ from helpers.models import lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy import InPlaceChangeWarning
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 CHANGED = "blocks.1.fc.weight"

@@ -19,8 +19,8 @@ from helpers.models import clone_state, lm_loss, make_batches, make_model, rank_
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.flat.access import ShardedParameterError
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 TRANSPORTS = ["auto", "point_to_point"]

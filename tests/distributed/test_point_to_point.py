@@ -14,7 +14,7 @@ from zero_strategy.core.comm.engine_comms import network_comm
 from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.point_to_point import PointToPointComm
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 

@@ -1,6 +1,6 @@
 """Releasing the engine of a model built sharded at stage 3 leaves its parameters sharded (no gather: the whole
 model is never resident), and a later engine over the same module takes the weights back from the released slices
-— bit for bit, each rank reading its own (see [Note: releasing a model built sharded] in core/step/release.py)."""
+— bit for bit, each rank reading its own (see [Note: releasing a model built sharded] in core/engine/release.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from helpers.meta_models import build
 from helpers.models import clone_state, lm_loss, make_batches, rank_slice
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.release import ReleasedShards
 from zero_strategy.core.init import record_construction
 from zero_strategy.core.init.materialize import InitialValues, Pretrained
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.release import ReleasedShards
 from zero_strategy.testing import run_ranks
 
 SEED, LR = 5, 0.3

@@ -16,9 +16,9 @@ from helpers.models import clone_state, lm_loss, make_batches, rank_slice
 from helpers.storage_meter import StoragePeakMeter
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.init import ModuleReplay, record_construction
 from zero_strategy.core.init.materialize import InitialValues, UnmaterializedError
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS, GLOBAL_BATCH, SEED, LR = 3, 8, 5, 0.3

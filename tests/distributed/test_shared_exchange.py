@@ -17,8 +17,8 @@ from zero_strategy.core.comm import engine_comms, shm_exchange
 from zero_strategy.core.comm.engine_comms import network_comm
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.shared_memory import SharedMemoryComm
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not shm_exchange.spin_sync_is_sound(), reason="x86-64 only (see the Note)")

@@ -12,9 +12,9 @@ from helpers.shared_optimizers import PATTERNS, batches, make, rank_part, refere
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.window import StepOrderError
 from zero_strategy.core.flat.grads import GradientScaleError
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.window import StepOrderError
 from zero_strategy.testing import RankFailed, run_in_process, run_ranks
 
 CONFIGS = [(1, "auto"), (2, "auto"), (3, "auto")]

@@ -16,8 +16,8 @@ from helpers.storage import mapped_pages
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm import engine_comms, host_segments
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 

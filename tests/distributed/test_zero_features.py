@@ -8,7 +8,7 @@ from helpers.models import TiedLM, assert_state_close, clone_state, lm_loss, mak
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 GLOBAL_BATCH = 8

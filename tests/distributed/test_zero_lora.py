@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 STEPS = 3

@@ -19,8 +19,8 @@ from helpers.storage import (
 )
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.testing import run_ranks
 
 MODEL = {"vocab": 13, "width": 31, "n_blocks": 4}  # Ψ = 4681, every unit's size odd (padding at N = 2, 4)
@@ -166,7 +166,7 @@ def test_bytes_per_step(stage, world_size, accum):
         kinds = {kind for _, snap in phases for kind, nbytes in snap.items() if nbytes}
         assert kinds <= {"all_gather", "reduce_scatter", "all_reduce"}, f"rank {rank}: unexpected collectives {kinds}"
         # the only all-reduces: which parameters some rank used this step, one byte per parameter tensor, at the step
-        # (see [Note: unused parameters] in core/step/unused.py) and, at stage 1, one per FlatParam (whether some
+        # (see [Note: unused parameters] in core/engine/unused.py) and, at stage 1, one per FlatParam (whether some
         # rank still holds gradients for it on the module), and at stage 3 the divergence watch's check (two int64s)
         tensors = len(list(make_model(**MODEL).parameters()))
         held = N_UNITS if stage == 1 else 0  # one trainable FlatParam per unit

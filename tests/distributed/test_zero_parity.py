@@ -16,7 +16,7 @@ from helpers.compare import ZERO_FLOOR, assert_values_close
 from helpers.models import assert_state_close, clone_state, lm_loss, make_batches, make_model, rank_slice
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 STEPS = 4

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.watch import DivergedGathersError
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.testing import run_ranks
 
 UNIT_CHOICES = {"separate": [], "one_unit": ["ModuleList"]}

@@ -3,7 +3,7 @@ meta device, never gathered whole on a rank. ``trainer.save_checkpoint`` still w
 ``validate`` and a further ``fit`` on the same Trainer continue from them — each compared with DDP doing the same
 (two ranks forked by run_ranks and taken by Lightning for ranks torchrun started, helpers/launched.py: every rank
 runs the whole sequence, as under the popen launcher). See [Note: releasing a model built sharded] in
-core/step/release.py.
+core/engine/release.py.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="step-reduction-drops-a-unit",
         area="step",
-        file="zero_strategy/core/step/window.py",
+        file="zero_strategy/core/engine/window.py",
         original="        for unit in self.units:\n            unit.start_reduce(index, force=force)",
         replacement="        for unit in self.units[1:]:\n            unit.start_reduce(index, force=force)",
         description="stage 1: the reduce-scatter of the first unit's gradients is dropped at the step (on every rank)",
@@ -144,7 +144,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="norm-not-all-reduced",
         area="step",
-        file="zero_strategy/core/step/gradients.py",
+        file="zero_strategy/core/engine/gradients.py",
         original='    total = comm.all_reduce(local_sum, ReduceOp.SUM, "gradient norm").wait()',
         replacement="    total = local_sum",
         description="gradient clipping: each rank clips by the norm of its own slice (squared norms not all-reduced)",
@@ -153,7 +153,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="inf-norm-summed",
         area="step",
-        file="zero_strategy/core/step/gradients.py",
+        file="zero_strategy/core/engine/gradients.py",
         original='ReduceOp.MAX, "gradient norm")',
         replacement='ReduceOp.SUM, "gradient norm")',
         description="gradient clipping, inf-norm: the ranks' maxima are summed instead of maxed",
@@ -162,7 +162,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="overflow-not-agreed",
         area="step",
-        file="zero_strategy/core/step/gradients.py",
+        file="zero_strategy/core/engine/gradients.py",
         original='    return bool(comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait().item() > 0)',
         replacement="    return bool(found.item() > 0)",
         description="fp16: each rank decides alone whether its gradients overflowed (no agreement across ranks)",
@@ -180,7 +180,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="loss-scale-window-not-restarted",
         area="step",
-        file="zero_strategy/core/step/loss_scaler.py",
+        file="zero_strategy/core/engine/loss_scaler.py",
         original="            self.last_overflow_iteration = self.iteration\n",
         replacement="",
         description="fp16 loss scaler: an overflow does not restart the growth window, so the scale grows too soon",
@@ -189,7 +189,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="buffers-not-broadcast",
         area="step",
-        file="zero_strategy/core/step/engine.py",
+        file="zero_strategy/core/engine/engine.py",
         original='            self.comms.everyone.broadcast(flat, 0, "buffers").wait()',
         replacement="            pass",
         description="buffers (BatchNorm statistics) are not taken from rank 0 before forward",

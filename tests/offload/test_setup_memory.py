@@ -12,9 +12,9 @@ from torch import nn
 
 from offload.test_offload import measure_in_fresh_process
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.init import record_construction
 from zero_strategy.core.init.materialize import InitialValues
-from zero_strategy.core.step.engine import ZeroEngine
 from zero_strategy.process_memory import reset_peak, status_bytes
 
 WIDTH, LAYERS = 2048, 16  # Ψ = 67.1 M fp32 parameters (256 MiB); each Linear (16 MiB) is one unit

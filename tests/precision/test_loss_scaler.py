@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_strategy.core.step.loss_scaler import DynamicLossScaler, LossScalerConfig
+from zero_strategy.core.engine.loss_scaler import DynamicLossScaler, LossScalerConfig
 
 
 def scales_after(pattern: list[int], **knobs: object) -> list[float]:

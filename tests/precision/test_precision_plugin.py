@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroEngine, ZeroPrecision
-from zero_strategy.core.step.loss_scaler import LossScaleAtMinimumError
+from zero_strategy.core.engine.loss_scaler import LossScaleAtMinimumError
 from zero_strategy.testing import run_ranks
 
 

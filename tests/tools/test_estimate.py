@@ -21,8 +21,8 @@ from helpers.storage import StorageTally, host_shared_storages, optimizer_state_
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import memory_report
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.estimate import (
     CONFIGURATIONS,
     OPTIMIZER_STATE_BYTES,

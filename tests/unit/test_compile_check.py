@@ -10,8 +10,8 @@ from helpers.models import make_model
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.runtime.compile_check import CompiledAroundUnitsWarning
-from zero_strategy.core.step.engine import ZeroEngine
 
 
 def _shard(module: nn.Module, stage: int, **options: object) -> list[str]:

@@ -16,7 +16,7 @@ from helpers.models import assert_state_close, clone_state, lm_loss, make_batche
 from torch.optim import Optimizer
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 
 STEPS = 6
 

@@ -27,7 +27,7 @@ from zero_strategy.core.comm.native import NativeComm
 from zero_strategy.core.comm.watch import WatchState
 from zero_strategy.core.comm.watched import WatchedComm
 from zero_strategy.core.comm.work import Work
-from zero_strategy.core.step import gradients, unused
+from zero_strategy.core.engine import gradients, unused
 
 META = torch.device("meta")
 
@@ -250,7 +250,7 @@ def test_cpu_engine_uses_no_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     profiler's device timing is never switched on."""
     from zero_strategy.config import ZeroConfig
     from zero_strategy.core.comm.streams import CollectiveStreams
-    from zero_strategy.core.step.engine import ZeroEngine
+    from zero_strategy.core.engine.engine import ZeroEngine
 
     def no_cuda(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("torch.cuda used on a CPU run")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ShardedParameterError, ZeroConfig, ZeroEngine
-from zero_strategy.core.step.window import StepOrderError
+from zero_strategy.core.engine.window import StepOrderError
 from zero_strategy.testing import run_in_process
 
 

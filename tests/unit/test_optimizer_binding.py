@@ -9,8 +9,8 @@ from helpers.models import assert_state_close, clone_state, lm_loss, make_batche
 from helpers.storage import optimizer_params
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.optimizer import UnsupportedOptimizerError
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.optimizer import UnsupportedOptimizerError
 
 
 class CustomOptimizer(torch.optim.Optimizer):

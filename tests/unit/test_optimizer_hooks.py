@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden as pl_is_ove
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 

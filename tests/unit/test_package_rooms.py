@@ -185,24 +185,25 @@ def test_no_import_cycles_and_no_arrow_pointing_up():
             assert not {t for t in targets if t.startswith(adapters)}, module
 
 
-CORE_ROOMS = ["plan", "comm", "flat", "init", "runtime", "step"]  # each imports only the rooms before it
+CORE_ROOMS = ["plan", "comm", "flat", "init", "runtime", "engine"]  # each imports only the rooms before it
+CORE_OLD_PATHS = {"step": "engine"}  # an old room name kept for the import paths users hold -> the room it re-exports
 
 
 @pytest.mark.timeout(30)
 def test_core_rooms_import_downwards_only():
-    """The README's layout: plan ← comm ← flat ← init ← runtime ← step (and stage.py and once.py, leaves any room
+    """The README's layout: plan ← comm ← flat ← init ← runtime ← engine (and stage.py and once.py, leaves any room
     may read)."""
     upward = []
     for module, targets in _import_graph().items():
         parts = module.split(".")
         if parts[:2] != ["zero_strategy", "core"] or len(parts) < 4:
             continue
-        room = CORE_ROOMS.index(parts[2])
+        room = CORE_ROOMS.index(CORE_OLD_PATHS.get(parts[2], parts[2]))
         for target in targets:
             tparts = target.split(".")
             if tparts[:2] == ["zero_strategy", "core"] and len(tparts) >= 4 and CORE_ROOMS.index(tparts[2]) > room:
                 upward.append(f"{module} -> {target}")
-    assert sorted(set(CORE_ROOMS) | {"stage.py", "once.py", "__init__.py"}) == sorted(
+    assert sorted(set(CORE_ROOMS) | set(CORE_OLD_PATHS) | {"stage.py", "once.py", "__init__.py"}) == sorted(
         p.name for p in (PACKAGE / "core").iterdir() if p.name != "__pycache__"), "a new room belongs in CORE_ROOMS"
     assert not upward, upward
 
@@ -247,7 +248,7 @@ def test_checkpoint_rooms_import_one_way():
                 forbidden.append(f"{module} -> {target} (an alias or the package root)")
             elif target_room is not None and target_room != room and target_room not in CHECKPOINT_ROOMS[room]:
                 forbidden.append(f"{module} -> {target}")
-            elif target.startswith(("zero_strategy.core.step.engine", "zero_strategy.fabric")):
+            elif target.startswith(("zero_strategy.core.engine.engine", "zero_strategy.fabric")):
                 forbidden.append(f"{module} -> {target}")
     assert forbidden == []
 
@@ -322,7 +323,7 @@ def test_only_the_comm_room_names_a_transport_or_reads_the_collectives_option():
                if not module.startswith("zero_strategy.core.comm") and module != "zero_strategy.testing"}
     # the CUDA copy helpers of offload live beside the streams; they move bytes to and from the host, not between ranks
     allowed_streams = {"zero_strategy.core.flat.storage", "zero_strategy.core.flat.grads",
-                       "zero_strategy.core.step.unused", "zero_strategy.core.flat.flat_param"}
+                       "zero_strategy.core.engine.unused", "zero_strategy.core.flat.flat_param"}
     named = {module: targets - ({"zero_strategy.core.comm.streams"} if module in allowed_streams else set())
              for module, targets in outside.items()}
     assert {module: targets for module, targets in named.items() if targets} == {}
@@ -400,3 +401,13 @@ def test_config_reads_the_stage_as_zero_stage(stage):
     zero_stage = ZeroConfig(stage=stage).zero_stage
     assert zero_stage is ZeroStage(stage)
     assert (zero_stage.reduces_every_microstep, zero_stage.reshards_parameters) == (stage >= 2, stage == 3)
+
+
+@pytest.mark.timeout(30)
+def test_the_old_step_room_path_re_exports_the_loss_scaler():
+    """core/step/ was renamed core/engine/ (it holds the engine); the one module the README pointed users at under
+    the old name still gives the same classes."""
+    from zero_strategy.core.engine import loss_scaler as new
+    from zero_strategy.core.step import loss_scaler as old
+
+    assert (old.LossScalerConfig, old.DynamicLossScaler) == (new.LossScalerConfig, new.DynamicLossScaler)

@@ -30,7 +30,8 @@ IN_PATH = re.compile(_GAP + r"in" + _GAP + r"(?:``)?([\w./-]+\.(?:py|md))\b")
 DEFINITION_LINE = re.compile(r"^\s*(?:#+\s*|[rRbB]?\"\"\"|[rRbB]?''')?\[Note:")
 # repository paths: a folder of ours, then more path, ending in a source or doc suffix; not part of a longer path
 ROOTS = ("zero_strategy", "core", "tests", "docs", "examples", "benchmarks", "checkpoint", "lightning", "fabric",
-         "estimate", "adapter_plumbing", "deepspeed_import", "comm", "flat", "init", "plan", "runtime", "step", "conf")
+         "estimate", "adapter_plumbing", "deepspeed_import", "comm", "flat", "init", "plan", "runtime", "engine",
+         "conf")
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(ROOTS) + r")/[\w./-]*?\.(?:py|md|yaml))(?![\w/-])")
 
 

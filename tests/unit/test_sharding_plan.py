@@ -8,8 +8,8 @@ from helpers.models import TiedLM, make_model
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
-from zero_strategy.core.step.engine import ZeroEngine
 
 BIG = 10**9
 

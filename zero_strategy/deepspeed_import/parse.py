@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zero_strategy.config import ZeroConfig, ZeroConfigError
-from zero_strategy.core.step.loss_scaler import LossScalerConfig
+from zero_strategy.core.engine.loss_scaler import LossScalerConfig
 from zero_strategy.deepspeed_import.collector import KeyCollector
 from zero_strategy.deepspeed_import.errors import DeepSpeedConfigError, UnmappedDeepSpeedKeysWarning
 from zero_strategy.deepspeed_import.result import DeepSpeedImport

@@ -8,8 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
+from zero_strategy.core.engine.loss_scaler import LossScalerConfig
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.step.loss_scaler import LossScalerConfig
 from zero_strategy.deepspeed_import.batch import BATCH_KEYS, BatchRule
 from zero_strategy.deepspeed_import.collector import AUTO, KeyCollector
 from zero_strategy.deepspeed_import.known_keys import ZERO_PREFIX as _Z

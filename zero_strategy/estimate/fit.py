@@ -1,7 +1,7 @@
 """Set-up and training peaks per rank, and the largest model a machine trains: ``zero-estimate --largest``.
 
 Set-up is the engine's constructor (building the FlatParams, then giving them values); training is the steady
-state that :mod:`.memory` itemizes. The set-up arithmetic mirrors ``core/step/build.py`` (a ``FlatStorage``
+state that :mod:`.memory` itemizes. The set-up arithmetic mirrors ``core/engine/build.py`` (a ``FlatStorage``
 per FlatParam) and ``core/init/materialize.py``; Ψ = parameters, N = ranks, p = the parameters' bytes (fp32: 4),
 c = compute bytes, U = the largest unit:
 

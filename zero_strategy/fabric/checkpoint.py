@@ -38,7 +38,7 @@ from zero_strategy.checkpoint.strategy_io.full_state import (
 )
 from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.whole_file import load_raw_module, read_whole_file, write_whole_file
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.fabric.precision import ZeroFabricPrecision
 from zero_strategy.fabric.sharded_modules import ShardedModule, ShardedModules
 

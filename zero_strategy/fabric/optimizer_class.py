@@ -4,7 +4,7 @@
 Fabric hands the user a ``_FabricOptimizer`` whose class derives from the optimizer's class and which forwards
 other attributes to the optimizer. ``wrapper.zero_grad()`` therefore finds the class's method first and never
 reaches the optimizer's instance attribute through which the engine learns that the gradients were cleared (see
-[Note: zero_grad reaches the module's gradients] in core/step/optimizer.py): the engine would keep them and their
+[Note: zero_grad reaches the module's gradients] in core/engine/optimizer.py): the engine would keep them and their
 loss-scale state past the clear. Fabric gives the strategy no hold on the wrapper (it is made after the strategy
 returns the optimizer), so the optimizer gets, while its module is set up, a subclass of its own class (same name
 and module, ``isinstance`` holds) whose ``zero_grad`` calls the optimizer's own; Fabric derives the wrapper's class
@@ -18,8 +18,8 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from zero_strategy.core.step.optimizer import FORWARDS_ZERO_GRAD as _FORWARDS
-from zero_strategy.core.step.optimizer import class_zero_grad
+from zero_strategy.core.engine.optimizer import FORWARDS_ZERO_GRAD as _FORWARDS
+from zero_strategy.core.engine.optimizer import class_zero_grad
 
 _SUBCLASSES: dict[type, type] = {}  # one per optimizer class, made once
 

@@ -6,7 +6,7 @@ available; with fp16 they are unscaled and checked for inf/NaN on every rank (on
 agree; a ``clip_gradients`` call before the step has already done it); an overflow skips the step everywhere (no
 optimizer step, gradients dropped, the scale moves); otherwise the optimizer steps the fp32 master slices and the
 engine propagates the new values into the compute-dtype parameters. It contains no collectives: it calls the
-engine. What the precision names mean and the fp16 skip decision are core/step/precision_settings.py's (shared
+engine. What the precision names mean and the fp16 skip decision are core/engine/precision_settings.py's (shared
 with the Trainer's ZeroPrecision; re-exported here for the old import path).
 """
 
@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.loss_scaler import DynamicLossScaler
-from zero_strategy.core.step.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.loss_scaler import DynamicLossScaler
+from zero_strategy.core.engine.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 
 __all__ = ["PrecisionSettings", "ZeroFabricPrecision", "engine_device_type", "skip_step_on_overflow",
            "to_zero_fabric_precision"]

@@ -29,9 +29,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from zero_strategy.adapter_plumbing.forward_entry import ForwardEntry
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.optimizer import param_owners
 from zero_strategy.core.init.materialize import InitialValues
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.optimizer import param_owners
 from zero_strategy.fabric.optimizer_class import restore_class
 from zero_strategy.initial_values import take_back_released
 

@@ -40,14 +40,14 @@ from zero_strategy.adapter_plumbing.process_group import (
 from zero_strategy.adapter_plumbing.process_per_device import ProcessPerDevice
 from zero_strategy.adapter_plumbing.strategy_options import strategy_options
 from zero_strategy.config import CheckpointFormat, ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import MemoryReport, memory_report
 from zero_strategy.core.init.construction_recorder import ConstructionRecorder
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.fabric.checkpoint import FabricCheckpoints
 from zero_strategy.fabric.optimizer_class import forward_zero_grad
 from zero_strategy.fabric.precision_selection import ZeroFabricPrecisionChoice

@@ -31,7 +31,7 @@ from zero_strategy.checkpoint.base.renamed import RenamedCheckpoint
 from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 from zero_strategy.checkpoint.sharded.load import load_optimizer_state, load_weights, restore_rank_rng
 from zero_strategy.config import ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.lightning.checkpoint_io import ShardedCheckpointIO
 from zero_strategy.lightning.hook_state_dict import (
     load_placeholders,

@@ -37,7 +37,7 @@ from zero_strategy.checkpoint.sharded.save import SaveInfo
 from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
-from zero_strategy.core.step.engine import ZeroEngine
+from zero_strategy.core.engine.engine import ZeroEngine
 
 if TYPE_CHECKING:
     from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint

@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 

@@ -30,8 +30,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from zero_strategy.checkpoint.base.format import CheckpointError
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.release import adopt_module_values
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.release import adopt_module_values
 
 
 class ModelState(Enum):

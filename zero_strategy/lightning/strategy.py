@@ -41,14 +41,14 @@ from zero_strategy.adapter_plumbing.process_group import (
 from zero_strategy.adapter_plumbing.process_per_device import ProcessPerDevice
 from zero_strategy.adapter_plumbing.strategy_options import strategy_options
 from zero_strategy.config import ZeroConfig
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.memory import MemoryReport, memory_report
 from zero_strategy.core.init.construction_recorder import ConstructionRecorder
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.memory import MemoryReport, memory_report
 from zero_strategy.deepspeed_import import DeepSpeedImport, parse_deepspeed_config
 from zero_strategy.initial_values import initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
@@ -160,7 +160,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
         # Lightning's wrapper subclasses the optimizer's class, so `wrapper.zero_grad()` would run the class's
         # method and miss the engine's instance-level zero_grad (see [Note: zero_grad reaches the module's
-        # gradients] in core/step/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
+        # gradients] in core/engine/optimizer.py). Each wrapper calls its optimizer's own zero_grad instead.
         for wrapper in self._lightning_optimizers:
             wrapper.zero_grad = partial(_zero_grad_of, wrapper.optimizer)  # type: ignore[attr-defined]
 
@@ -271,7 +271,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
     @override
     def teardown(self) -> None:
         if self._sharded.state is ModelState.SHARDED:
-            if not self._sharded.end():  # the module's parameters stay sharded: see core/step/release.py
+            if not self._sharded.end():  # the module's parameters stay sharded: see core/engine/release.py
                 warn_parameters_stay_sharded(self.config.stage)
             if self.lightning_module is not None:
                 remove_activation_checkpointing(self.lightning_module)

@@ -15,7 +15,7 @@ complete and loadable, and Lightning's ``last`` lookup (``last*.ckpt``) never se
 
 [Note: format versions]
 Version 2 lets several optimizers step one FlatParam (see [Note: optimizers sharing parameters] in
-core/step/window.py): a FlatParam lists the optimizers that step it, a parameter its param group in each, and
+core/engine/window.py): a FlatParam lists the optimizers that step it, a parameter its param group in each, and
 per-element optimizer state is stored per optimizer (``optim/<optimizer>/<key>/<name>``; scalar records name their
 optimizer). Version 1 (one optimizer per FlatParam: ``optimizer_index``, ``group_index``, ``optim/<key>/<name>``)
 is still read: its manifest is translated on opening, and its state names are its one optimizer's. A reader that

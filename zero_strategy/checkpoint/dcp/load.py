@@ -17,7 +17,7 @@ from zero_strategy.checkpoint.base.format import NO_OPTIMIZER_STATE_KEY, Checkpo
 from zero_strategy.checkpoint.base.loadable import LoadTarget
 from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
 from zero_strategy.checkpoint.sharded.load import load_optimizer_state, load_weights
-from zero_strategy.core.step.optimizer import qualified_name
+from zero_strategy.core.engine.optimizer import qualified_name
 
 LISTED = 5  # names listed per kind of problem in an error message
 

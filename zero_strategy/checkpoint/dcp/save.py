@@ -48,8 +48,8 @@ from zero_strategy.checkpoint.dcp.storage import (
 )
 from zero_strategy.checkpoint.sharded.save import SaveInfo
 from zero_strategy.core.comm.comm import Comm
+from zero_strategy.core.engine.optimizer import qualified_name
 from zero_strategy.core.plan.layout import SliceOverlap
-from zero_strategy.core.step.optimizer import qualified_name
 
 # what one rank knows of each (optimizer, parameter)'s state: {per-element name: dtype}, {scalar: (value, dtype)}
 StateSummary = dict[tuple[int, str], tuple[dict[str, str], dict[str, tuple[Any, str | None]]]]

@@ -20,8 +20,8 @@ from zero_strategy.checkpoint.base.rng import restore_rng
 from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.shard_content import scalar_value
+from zero_strategy.core.engine.optimizer import qualified_name
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.step.optimizer import qualified_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,8 @@ def _place_step_counters(optimizer: torch.optim.Optimizer, piece: nn.Parameter, 
     """A tensor ``step`` counter stays on the CPU unless the piece's param group is ``capturable`` or ``fused``, as
     torch's own ``Optimizer.load_state_dict`` places it: a non-capturable Adam reads it on the host every step, so a
     counter on the GPU would cost a device-to-host synchronisation per step. (The fused steps this package turns on
-    move it to the device themselves, just before a fused step: see _step_state_to_device in core/step/optimizer.py.)"""
+    move it to the device themselves, just before a fused step: see _step_state_to_device in
+    core/engine/optimizer.py.)"""
     step = state.get("step")
     if not isinstance(step, torch.Tensor):
         return

@@ -40,7 +40,7 @@ from zero_strategy.checkpoint.base.rng import REPLICAS_METADATA_KEY, capture_rng
 from zero_strategy.checkpoint.base.safetensors_io import write_safetensors
 from zero_strategy.checkpoint.base.writable import WritableSource
 from zero_strategy.checkpoint.sharded.shard_content import collect_shard, encode_metadata
-from zero_strategy.core.step.optimizer import qualified_name
+from zero_strategy.core.engine.optimizer import qualified_name
 
 RngState = tuple[dict[str, torch.Tensor], str]  # capture_rng's (tensors, plain json)
 

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.checkpoint.base.loadable import LoadTarget
+from zero_strategy.core.engine.optimizer import carry_state_over
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.whole import gather_whole, param_views
-from zero_strategy.core.step.optimizer import carry_state_over
 
 Keep = Callable[[str, Any], bool]  # Fabric's filter: (key, value) -> keep
 

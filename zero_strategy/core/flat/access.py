@@ -14,7 +14,7 @@ read on both transports):
 - ``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``, Lightning's ``StochasticWeightAveraging``, EMA
   callbacks copy the module): gathered for the copy, which holds the full values (a collective: every rank copies).
 - ``module.state_dict()``: gathered for the duration of the call and every value cloned (the engine's state-dict
-  hooks, step/state_dict_hooks.py; a collective: every rank calls it). ``keep_vars=True`` returns the parameters
+  hooks, engine/state_dict_hooks.py; a collective: every rank calls it). ``keep_vars=True`` returns the parameters
   themselves and gathers nothing.
 - a read of ``.grad``: what torch left there (None once the gradient was reduced), with a warning where the
   gradient lives in the master slices instead (see [Note: reading p.grad under ZeRO] in grad_reads.py).

@@ -9,7 +9,7 @@ as they are produced, so accumulation over micro-steps never happens in the low 
 The gradient belongs to the FlatParam, not to an optimizer: every optimizer that steps it reads the same one, as
 under DDP, where the optimizers holding a parameter share its ``.grad``. An optimizer step does not consume it;
 only :meth:`GradientSlices.discard` (``zero_grad()`` of any optimizer that steps the FlatParam, a skipped step)
-clears it (see [Note: optimizers sharing parameters] in step/window.py).
+clears it (see [Note: optimizers sharing parameters] in engine/window.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Each file-backed tensor is a shared memory mapping of its own file, created by torch on top of Python's ``mmap``.
 Writes land in the OS page cache and reach the file without copies; after each use (a chunk of the optimizer step,
 a gather) the mapping's pages are released with ``madvise(MADV_DONTNEED)`` so they stop counting as this
-process's resident memory. The optimizer therefore steps in chunks (see core/step/chunked_step.py): resident memory
+process's resident memory. The optimizer therefore steps in chunks (see core/engine/chunked_step.py): resident memory
 of a step is a few chunks, not the whole optimizer state.
 
 [Note: populating a chunk before its step]

@@ -69,7 +69,7 @@ def check_materializable(module: nn.Module, values: InitialValues | None) -> tor
     if not names:
         return None
     if values is not None and values.recording is None and values.pretrained is not None:
-        # nothing was built here: every meta tensor is read (a released engine's slices, see core/step/release.py)
+        # nothing was built here: every meta tensor is read (a released engine's slices, see core/engine/release.py)
         missing = [name for name in names if name not in values.pretrained.sources]
         if not missing and values.device is not None:
             return values.device

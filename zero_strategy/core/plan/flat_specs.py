@@ -2,7 +2,7 @@
 
 A FlatParam is one flat buffer, so it must be uniform in dtype (stored and computed) and in the set of optimizers
 that step it (stepping one optimizer of a GAN then communicates only its own parameters; a layer two optimizers
-share is a FlatParam of its own, stepped by both: see [Note: optimizers sharing parameters] in step/window.py).
+share is a FlatParam of its own, stepped by both: see [Note: optimizers sharing parameters] in engine/window.py).
 Frozen or un-optimized parameters form their own FlatParam, which is gathered at stage 3 but never reduced and has
 no master pieces. Deciding this before any buffer exists lets EngineComms size what it allocates (host-wide
 parameter buffers, shared reduction arenas) for every FlatParam at once.

@@ -1,3 +1,3 @@
-"""The step room: the engine and the optimizer step — building the engine, the step window (a lifecycle per
-optimizer), the optimizer binding and fused steps, gradient maths, the unused-parameter agreement, the replica
-average, the loss scaler, the release after training and the memory report."""
+"""Old name of :mod:`zero_strategy.core.engine` (the room holding the engine and its optimizer step). Only the
+module users were pointed at is kept: ``zero_strategy.core.step.loss_scaler``, which the README named for
+``LossScalerConfig`` before the rename. Import from ``zero_strategy.core.engine`` instead."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.flat.access import own_grad
-from zero_strategy.core.step.engine import ZeroEngine
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,15 +47,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_strategy.core.comm.engine_comms import EngineComms
+from zero_strategy.core.engine import gradients
+from zero_strategy.core.engine.chunked_step import chunked_step
+from zero_strategy.core.engine.hybrid import average_over_replicas
+from zero_strategy.core.engine.unused import Saved, agree_on_used, protect_unused, restore_unused
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.in_place_watch import OVERWRITTEN
 from zero_strategy.core.flat.placement import Placement
 from zero_strategy.core.runtime.unit import ZeroUnit
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.step import gradients
-from zero_strategy.core.step.chunked_step import chunked_step
-from zero_strategy.core.step.hybrid import average_over_replicas
-from zero_strategy.core.step.unused import Saved, agree_on_used, protect_unused, restore_unused
 
 
 class StepPhase(Enum):

@@ -31,6 +31,13 @@ from torch.optim import Optimizer
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.engine.build import build_parts
+from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
+from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad_hook
+from zero_strategy.core.engine.release import gather_into_module, leave_sharded
+from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
+from zero_strategy.core.engine.state_dict_loads import StateDictLoads
+from zero_strategy.core.engine.window import StepWindows
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import watching
 from zero_strategy.core.init.materialize import InitialValues
@@ -40,13 +47,6 @@ from zero_strategy.core.runtime.hooks import RuntimeHooks
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.stage import ZeroStage
-from zero_strategy.core.step.build import build_parts
-from zero_strategy.core.step.fused_steps import install_fused_steps, remove_fused_steps
-from zero_strategy.core.step.optimizer import bind_optimizer, remove_zero_grad_hook
-from zero_strategy.core.step.release import gather_into_module, leave_sharded
-from zero_strategy.core.step.state_dict_hooks import StateDictGathers
-from zero_strategy.core.step.state_dict_loads import StateDictLoads
-from zero_strategy.core.step.window import StepWindows
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +226,7 @@ class ZeroEngine:
         self.windows.reduce(self.optimizer_index(optimizer))
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
-        """The norm of the full gradient across all ranks' slices (see core/step/gradients.py). Collective."""
+        """The norm of the full gradient across all ranks' slices (see core/engine/gradients.py). Collective."""
         return self.windows.grad_norm(self.optimizer_index(optimizer), norm_type)
 
     def parameter_grad_norms(self, params: list[nn.Parameter], norm_type: float = 2.0) -> list[Tensor | None]:

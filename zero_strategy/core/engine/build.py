@@ -13,6 +13,8 @@ from torch.optim import Optimizer
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.comm.engine_comms import EngineComms
 from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.engine.hybrid import adopt_first_replica
+from zero_strategy.core.engine.optimizer import check_optimizer, param_owners
 from zero_strategy.core.flat.flat_param import FlatLinks, FlatParam
 from zero_strategy.core.flat.full_buffer import FullBuffer
 from zero_strategy.core.flat.placement import Placement, make_placement
@@ -31,8 +33,6 @@ from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.runtime.compile_check import warn_compiled_around_units
 from zero_strategy.core.runtime.unit import ZeroUnit
-from zero_strategy.core.step.hybrid import adopt_first_replica
-from zero_strategy.core.step.optimizer import check_optimizer, param_owners
 
 
 @dataclass(slots=True)

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.engine.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import COMPUTE_DTYPES, normalize_precision, reduce_dtype_named
-from zero_strategy.core.step.engine import ZeroEngine
-from zero_strategy.core.step.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, LossScalerConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from zero_strategy.core.step.optimizer import qualified_name
+from zero_strategy.core.engine.optimizer import qualified_name
 
 # [Note: fused optimizer steps]
 # A master piece is one contiguous 1-D fp32 tensor per unit: the ideal input for torch's fused kernels (one pass
