@@ -6,7 +6,7 @@
 (``ZeroFabricStrategy``).
 """
 
-from zero_strategy._requirements import check_torch
+from zero_strategy._requirements import UntestedTorchWarning, check_torch
 
 check_torch()  # before anything else: a torch lacking an API we call fails here naming it; an untested one warns
 
@@ -28,6 +28,7 @@ __all__ = [
     "MemoryReport",
     "OffloadDevice",
     "ShardedParameterError",
+    "UntestedTorchWarning",
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroEngine",

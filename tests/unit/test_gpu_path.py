@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_strategy.checkpoint import load as ckpt_load
-from zero_strategy.checkpoint import rng
+from zero_strategy.checkpoint.base import rng
+from zero_strategy.checkpoint.sharded import load as ckpt_load
 from zero_strategy.core.comm import backend, control, group, native
 from zero_strategy.core.comm.engine_comms import watch_applies
 from zero_strategy.core.comm.group import Group
