@@ -287,13 +287,6 @@ def test_checkpoint_aliases_re_export_their_new_homes():
 
 
 @pytest.mark.timeout(30)
-def test_checkpoint_files_stay_small():
-    """No file in checkpoint/ over 350 lines (as in core/)."""
-    too_long = {str(p.relative_to(REPO)): p.read_text().count("\n") for p in (PACKAGE / "checkpoint").rglob("*.py")}
-    assert {path: lines for path, lines in too_long.items() if lines > 350} == {}
-
-
-@pytest.mark.timeout(30)
 def test_a_whole_flat_param_is_gathered_in_one_place():
     """Outside the comm room (which implements it) only core/flat calls ``all_gather``: the FlatParam's own
     lifecycle, its secondary copy, and core/flat/whole.py, the one gather of a whole FlatParam that releasing the
@@ -353,12 +346,10 @@ def test_core_files_and_classes_stay_small():
 
 @pytest.mark.timeout(30)
 def test_no_package_file_over_350_lines():
-    """Every package file, not only the core's, stays within 350 lines (split by responsibility, never squeeze).
-    checkpoint/ and estimate/ are being split on other branches of issue 33: drop them from ``pending`` then."""
-    pending = ("checkpoint", "estimate")
+    """Every package file, not only the core's, stays within 350 lines (split by responsibility, never squeeze)."""
     too_long = {
         str(path.relative_to(REPO)): lines for path in PACKAGE.rglob("*.py")
-        if path.relative_to(PACKAGE).parts[0] not in pending and (lines := path.read_text().count("\n")) > 350
+        if (lines := path.read_text().count("\n")) > 350
     }
     assert too_long == {}
 
