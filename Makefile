@@ -1,6 +1,6 @@
 # Two entry points, both from a fresh clone:
 #   make train   set up the environment and run the main job (GPT on the bundled corpus, zero3, 2 CPU ranks)
-#   make test    set up the environment and run lint, type checks and the test suite
+#   make test    set up the environment and run lint, type checks and the test suite (then make test-network)
 #   make gpu-check   on a CUDA machine: the CUDA test tier, then a ZeRO/DDP/FSDP2 benchmark (report: gpu_report.md)
 PY ?= python3
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # older ones than ours (huggingface-hub<1.4, hence an older transformers), and what the test imports needs none else
 LITGPT_VERSION := 0.5.13
 
-.PHONY: setup train test lint gpu-check mutation-check
+.PHONY: setup train test test-network mutation-check lint gpu-check
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml constraints.txt Makefile
@@ -31,7 +31,15 @@ lint: setup
 # the run (see [Note: which rank deaths are retried] in tests/conftest.py).
 test: lint
 	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing
-	$(MAKE) mutation-check
+	$(MAKE) --no-print-directory test-network
+	$(MAKE) --no-print-directory mutation-check
+
+# The second pass: the stage-3 tests above the engine again on the network path GPUs and several nodes take
+# (parameters freed and gathered: point-to-point, then a subset on gloo's own collectives), not one host's shared
+# memory; which tests, and how every rank gets the switch: [Note: the two paths of stage 3] in tests/network_path.py
+test-network: setup
+	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing --network-pass point_to_point
+	$(BIN)/python -m pytest -q --reruns 1 --only-rerun RankExitedAfterFinishing --network-pass native
 
 # Faults planted one at a time in a scratch copy of the library; each must make one of its tests fail (the table of
 # faults and the tests that kill them: tests/mutation/faults.py; --only NAME runs one)

@@ -19,6 +19,9 @@ if str(TESTS_DIR) not in sys.path:
 
 import torch  # noqa: E402
 
+# --network-pass and the stage3 marker: the second pass of `make test` (see [Note: the two paths of stage 3] there)
+pytest_plugins = ("network_path",)
+
 # The models here are tiny: one intra-op thread is faster than two fighting over the machine's two cores, and
 # leaves a core for the other rank in multi-process tests.
 torch.set_num_threads(1)

@@ -42,10 +42,29 @@ class MetaInit(str, Enum):
 
 
 COLLECTIVE_CHOICES = ("auto", "native", "point_to_point", "shared_memory")
+COLLECTIVES_ENV = "ZERO_STRATEGY_COLLECTIVES"
+"""Environment variable giving ``ZeroConfig.collectives`` its default (unset or empty: "auto")."""
 
 
 class ZeroConfigError(ValueError):
     """An invalid ZeRO setting: the message names the key and how to fix it."""
+
+
+def default_collectives() -> str:
+    """``collectives`` when none is given: ``$ZERO_STRATEGY_COLLECTIVES``, else "auto".
+
+    An environment variable rather than a module-level switch because it reaches every rank alike (forked,
+    spawned, or a script re-run by the launcher), which is what lets one host's CPU ranks be put on the network
+    path that GPUs and several nodes take (e.g. a test suite's second pass)."""
+    value = os.environ.get(COLLECTIVES_ENV, "").strip()
+    if not value:
+        return "auto"
+    if value not in COLLECTIVE_CHOICES:
+        raise ZeroConfigError(
+            f"${COLLECTIVES_ENV}={value!r}: use one of {', '.join(map(repr, COLLECTIVE_CHOICES))}, or unset it "
+            "(then collectives defaults to 'auto')."
+        )
+    return value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,13 +84,16 @@ class ZeroConfig:
     prefetch: bool = True
     """Stage 3: start the all-gather of the next unit while the current one computes."""
 
-    collectives: str = "auto"
+    collectives: str = field(default_factory=default_collectives)
     """How all-gathers and reduce-scatters run: "native" (the backend's own collectives), "point_to_point" (each
     rank exchanges its chunks with every peer directly), "shared_memory" (every rank on one host's CPU: stage 3
     keeps each unit's parameters once per host in /dev/shm and reads them in place, gathering nothing; on x86-64
     gradients are reduced, and stages 1/2 gather their updated slices, through buffers in /dev/shm too; not for
     stage 3 with offload) or "auto": on gloo, shared memory where it applies and point-to-point otherwise (both
-    measured faster than gloo's own collectives), native elsewhere (NCCL's collectives are already optimal)."""
+    measured faster than gloo's own collectives), native elsewhere (NCCL's collectives are already optimal).
+    Default: ``$ZERO_STRATEGY_COLLECTIVES`` if set, else "auto". Setting it to "point_to_point" or "native" puts
+    one host's CPU ranks on the path every GPU and multi-node run takes (stage 3 frees its parameters and gathers
+    them through the network) without changing any code; an explicit ``collectives=`` still wins."""
 
     broadcast_buffers: bool = True
     """Before every training forward (module in training mode, gradients enabled) every rank copies rank 0's

@@ -113,7 +113,7 @@ def absent_peer_worker(rank, world_size, how, misses, reported: Path):
     stage = 2 if misses == "reduction" else 3
     model = make_model(n_blocks=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, process_group_timeout_s=1.0))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, process_group_timeout_s=1.0, collectives="auto"))
     assert _shared(engine) is not None and (stage == 2 or engine.comms.host_shared)
     (tokens,) = make_batches(1, 1, 4)[0]
     if misses == "step":

@@ -109,7 +109,7 @@ def test_a_rank_without_shared_shards_makes_every_rank_fall_back(sabotage):
 def in_place_worker(rank, world_size):
     model = make_model(n_blocks=3, width=128)  # a block's slice spans many pages
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=False))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=False, collectives="auto"))  # read in place
     by_unit = {unit.name: unit.flat_params[0] for unit in engine.units}
     blocks = [by_unit[f"blocks.{i}"] for i in range(3)]
 
@@ -189,7 +189,7 @@ def test_parameters_are_read_in_place_and_peers_pages_leave_after_use():
 def in_place_change_worker(rank, world_size, change):
     model = make_model(n_blocks=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives="auto"))  # shared memory
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, micro_batches in enumerate(make_batches(3, 2, 8)):

@@ -46,7 +46,8 @@ def _param_bytes(model, optimizer, engine) -> int:
 def memory_worker(rank, world_size, stage):
     model = make_model(**MODEL)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    # one host's default path (stage 3: parameters once per host); the network path: the tests pinning point_to_point
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives="auto"))
     out = {"params_at_rest": _param_bytes(model, optimizer, engine)}
     out["module_param_storage_at_rest"] = private_storage_bytes(model.parameters(), engine)
     (tokens,) = make_batches(1, 1, 8, vocab=MODEL["vocab"])[0]
