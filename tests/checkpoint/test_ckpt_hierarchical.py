@@ -5,6 +5,9 @@ the resumed engine gathered the secondary copies it built before the load instea
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 from ckpt_workers import GLOBAL_BATCH, build, full_state, load_into, ranks_close, save_then_train, train_steps
@@ -23,6 +26,14 @@ def _engine(hierarchical: str | None) -> tuple[torch.nn.Module, torch.optim.Opti
     return model, optimizer, engine
 
 
+def as_two_nodes(rank: int, world: int, worker: Any, *args: Any) -> Any:
+    """``worker`` on a rank of 4 launched as 2 nodes of 2: torchrun sets ``LOCAL_WORLD_SIZE`` in each rank's
+    environment, and so does this wrapper (the harness gives every rank the launcher variables the test session
+    started with, not the parent's)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if world == 4 else str(world)
+    return worker(rank, world, *args)
+
+
 def resume_then_train(rank: int, world: int, hierarchical: str | None, path: str) -> dict[str, Tensor]:
     """Load into an engine whose secondary copies are fresh (hierarchical) and train the remaining steps."""
     model, optimizer, engine = _engine(hierarchical)
@@ -35,11 +46,14 @@ def resume_then_train(rank: int, world: int, hierarchical: str | None, path: str
 
 
 @pytest.mark.timeout(90)
-def test_hierarchical_checkpoint_resumes_flat_and_back(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 ranks: two "nodes" of two, as torchrun --nnodes=2 sets it
+def test_hierarchical_checkpoint_resumes_flat_and_back(tmp_path):
     hier_ckpt, flat_ckpt = tmp_path / "hierarchical", tmp_path / "flat"
     node = {"hierarchical_params": "node"}
-    final = run_ranks(save_then_train, 4, 3, "sgd", STEPS, SAVE_AT, str(hier_ckpt), node, timeout_s=60)[0]
-    ranks_close(run_ranks(resume_then_train, 2, None, str(hier_ckpt), timeout_s=60), final, "hierarchical→flat 2")
-    flat_final = run_ranks(save_then_train, 2, 3, "sgd", STEPS, SAVE_AT, str(flat_ckpt), timeout_s=60)[0]
-    ranks_close(run_ranks(resume_then_train, 4, "node", str(flat_ckpt), timeout_s=60), flat_final, "flat→hier 4")
+    final = run_ranks(as_two_nodes, 4, save_then_train, 3, "sgd", STEPS, SAVE_AT, str(hier_ckpt), node,
+                      timeout_s=60)[0]
+    ranks_close(run_ranks(as_two_nodes, 2, resume_then_train, None, str(hier_ckpt), timeout_s=60), final,
+                "hierarchical→flat 2")
+    flat_final = run_ranks(as_two_nodes, 2, save_then_train, 3, "sgd", STEPS, SAVE_AT, str(flat_ckpt),
+                           timeout_s=60)[0]
+    ranks_close(run_ranks(as_two_nodes, 4, resume_then_train, "node", str(flat_ckpt), timeout_s=60), flat_final,
+                "flat→hier 4")

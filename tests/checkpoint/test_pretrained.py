@@ -238,7 +238,7 @@ def test_tied_weights_stored_under_one_name(tmp_path, stored):
         with pytest.raises(PretrainedMismatchError, match="1 missing"):  # without the alias group
             match_keys(source, expected_shapes(module), strict=True)
         match = match_keys(source, expected_shapes(module), True, alias_groups(module))
-    assert match.plan == {"wte.weight": stored, "lm_head.weight": stored, "frozen": "frozen"}
+    assert match.sources == {"wte.weight": stored, "lm_head.weight": stored, "frozen": "frozen"}
     load_pretrained_into_module(module, tmp_path / "w.safetensors")
     assert torch.equal(module.lm_head.weight, weight) and module.lm_head.weight is module.wte.weight
     assert torch.equal(module.frozen, frozen)  # frozen parameters load too
@@ -428,7 +428,7 @@ def test_hugging_face_gpt2_sharded_checkpoint(tmp_path):
     _check_reads(tmp_path, {k: state[k] for k in weight_map})
     with open_pretrained(tmp_path) as source:
         match = match_keys(source, expected_shapes(model), True, alias_groups(model))
-    assert match.plan["lm_head.weight"] == "transformer.wte.weight"
+    assert match.sources["lm_head.weight"] == "transformer.wte.weight"
     torch.manual_seed(1)
     fresh = transformers.GPT2LMHeadModel(config)
     load_pretrained_into_module(fresh, tmp_path)
