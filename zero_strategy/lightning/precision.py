@@ -81,6 +81,10 @@ class ZeroPrecision(Precision):
     def policy(self) -> MixedPrecisionPolicy | None:
         return self.settings.policy()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy holds no engine: see [Note: a copy of the strategy holds no engine] in sharded_model.py."""
+        return {**vars(self), "_engine": None}
+
     def attach(self, engine: ZeroEngine | None) -> None:
         """Called by ZeroStrategy once the model is sharded (None after teardown)."""
         self._engine = engine
