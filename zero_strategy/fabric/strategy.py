@@ -109,10 +109,17 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._recorder = ConstructionRecorder()
-        self._modules = ShardedModules(self._build_engine, lambda: self.root_device)
-        self._checkpoints = FabricCheckpoints(self._modules, state_dict_type == "full", lambda: self.is_global_zero)
+        # bound methods, not lambdas: the spawn launcher pickles the strategy into each rank
+        self._modules = ShardedModules(self._build_engine, self._root_device)
+        self._checkpoints = FabricCheckpoints(self._modules, state_dict_type == "full", self._is_global_zero)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.take_over_precision_choice()  # built by the strategy registry inside a Fabric: see the method
+
+    def _root_device(self) -> torch.device:
+        return self.root_device
+
+    def _is_global_zero(self) -> bool:
+        return self.is_global_zero
 
     # ---------------------------------------------------- launch (where the ranks sit: ProcessPerDevice)
     @override
