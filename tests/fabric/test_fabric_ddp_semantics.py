@@ -128,3 +128,35 @@ def test_load_raw_refuses_what_is_no_weights_file(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(2)}, tmp_path / "legacy", _use_new_zipfile_serialization=False)
     with pytest.raises(CheckpointError, match="not a zip-format torch file"):  # recognised, refused with its remedy
         open_pretrained(tmp_path / "legacy")
+
+
+def set_up_twice(rank: int, world: int) -> dict[str, Any]:
+    """Each strategy: the module set up alone, then again with its optimizer (trained through the second wrapper),
+    then once more alone after a step (trained through the third wrapper): DDP wraps it each time."""
+    as_launched_rank(rank, world)
+    out: dict[str, Any] = {}
+    for name in ("ddp", *STRATEGIES):
+        fabric = make_fabric(_strategy(name), world)
+        fabric.seed_everything(0)
+        raw = Net()
+        first = fabric.setup_module(raw)
+        optimizer = torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9)
+        second, optimizer = fabric.setup(raw, optimizer)
+        train(fabric, second, [optimizer], 2)
+        third = fabric.setup_module(raw)
+        train(fabric, third, [optimizer], 2, first_step=2)
+        out[name] = {wrapper: weights(model) for wrapper, model in
+                     (("first", first), ("second", second), ("third", third))}
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_module_set_up_again_trains_as_under_ddp(world: int) -> None:
+    for rank, result in enumerate(run_ranks(set_up_twice, world, timeout_s=300)):
+        ddp = result["ddp"]["third"]
+        for name in STRATEGIES:
+            for wrapper, got in result[name].items():  # every wrapper reads the same trained parameters
+                for key, value in ddp.items():
+                    torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m, k=key, n=name, w=wrapper, r=rank: f"{r} {n} {w} {k}: {m}")
