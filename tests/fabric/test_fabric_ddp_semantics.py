@@ -160,3 +160,25 @@ def test_a_module_set_up_again_trains_as_under_ddp(world: int) -> None:
                 for key, value in ddp.items():
                     torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6,
                                                msg=lambda m, k=key, n=name, w=wrapper, r=rank: f"{r} {n} {w} {k}: {m}")
+
+
+def loss_scale_round_trip(rank: int, world: int, root: str) -> tuple[float, list[str]]:
+    as_launched_rank(rank, world)
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=2, state_dict_type="full"), accelerator="cpu", devices=world,
+                    precision="16-mixed")
+    fabric.launch()
+    model, optimizer = fabric.setup(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    precision = fabric.strategy.precision
+    precision.scaler.scale = 1234.0
+    path = Path(root) / "fp16.pt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "precision": precision})
+    precision.scaler.scale = 1.0
+    fabric.load(path, {"model": model, "optimizer": optimizer, "precision": precision})
+    return precision.scaler.scale, sorted(torch.load(path, weights_only=True))
+
+
+def test_the_full_file_keeps_the_loss_scale_when_the_state_holds_the_precision(tmp_path: Path) -> None:
+    """How a full file keeps the fp16 loss scale now that it holds the user's keys only: as Fabric keeps a
+    GradScaler, the state names it."""
+    scale, keys = run_ranks(loss_scale_round_trip, 1, str(tmp_path), timeout_s=120)[0]
+    assert scale == 1234.0 and keys == ["model", "optimizer", "precision"], (scale, keys)
