@@ -324,7 +324,7 @@ def test_legacy_torch_file_is_refused_with_the_remedy(tmp_path):
 
 def test_unknown_and_broken_sources_name_the_file(tmp_path):
     (tmp_path / "w.txt").write_text("hello")
-    with pytest.raises(CheckpointError, match=r"w\.txt is not a pretrained weights file.*\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"w\.txt is neither a torch file.*any torch\.save output"):
         open_pretrained(tmp_path / "w.txt")
     with pytest.raises(CheckpointError, match="do not exist"):
         open_pretrained(tmp_path / "nope.safetensors")

@@ -12,6 +12,14 @@ it at any world size and stage (by parameter name and element range) and restore
 Fabric file] in checkpoint/strategy_io/full_state.py), which loads back the same way. ``fabric.load_raw(path, model)``
 reads a plain state dict (a torch file, safetensors, a Hugging Face or zero-to-fp32 output, a sharded directory)
 memory-mapped, each rank reading only the element ranges it keeps. One set-up module per checkpoint.
+
+[Note: the consolidated file holds the user's keys]
+The sharded directory records, in its trainer-state file under ``zero_strategy.fabric``, which keys are the module
+and the optimizers and the fp16 loss scaler's state; ``fabric.load`` reads that entry and never returns it. The
+consolidated file (``state_dict_type="full"``) is a plain ``torch.save`` that anyone loads, so like DDP's and FSDP's
+it holds the user's keys only: the keys name themselves in it, and the loss scaler is saved as Fabric saves a
+GradScaler, when the state holds it (``state["precision"] = fabric.strategy.precision``, a stateful object).
+Loading a file written with the entry (before this) still reads and drops it.
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ class FabricCheckpoints:
         for key, obj in sorted_state.other.items():
             _apply_filter(key, filter, obj.state_dict() if isinstance(obj, _Stateful) else obj, plain)
         if self.full or held & set(filter) or sorted_state.item is None:  # a filter selects by name: one file
-            self._save_full(Path(path), sorted_state, plain, precision, filter)
+            self._save_full(Path(path), sorted_state, plain, filter)
             return
         engine = sorted_state.engine
         trainer_state = {**plain, FABRIC_KEY: _record(sorted_state, precision)}
@@ -110,14 +118,15 @@ class FabricCheckpoints:
         save_sharded(engine, path, trainer_state, save_info(precision.precision))
 
     def _save_full(self, path: Path, sorted_state: SortedState, plain: dict[str, Any],
-                   precision: ZeroFabricPrecision, filter: dict[str, Any]) -> None:
+                   filter: dict[str, Any]) -> None:
+        """The user's keys only, as DDP's and FSDP's full file: see [Note: the consolidated file holds the user's
+        keys]."""
         content: dict[str, Any] = dict(plain)
         if sorted_state.item is not None and sorted_state.module_key is not None:
             engine = sorted_state.engine
             content[sorted_state.module_key] = full_weights(engine, filter.get(sorted_state.module_key))
             for key, index in sorted_state.optimizer_keys.items():
                 _apply_filter(key, filter, full_optimizer_state(engine, engine.optimizers[index]), content)
-            content[FABRIC_KEY] = _record(sorted_state, precision)
         if self.is_leader():  # the others hold no values (see [Note: the consolidated Fabric file])
             write_whole_file(path, content)
 
@@ -169,7 +178,7 @@ class FabricCheckpoints:
     def _load_full(self, content: dict[str, Any], state: dict[str, Any], precision: ZeroFabricPrecision,
                    strict: bool) -> dict[str, Any]:
         content = dict(content)
-        record = content.pop(FABRIC_KEY, {})
+        record = content.pop(FABRIC_KEY, {})  # files written before the full file held the user's keys only
         _validate_keys_for_strict_loading(state.keys(), content.keys(), strict)
         sorted_state = sort_state(state, self.modules)
         if sorted_state.module_key in content:

@@ -17,6 +17,14 @@ first one:
   the new one shards them again: every rank briefly holds the whole model, as it did for a model built eagerly.
 
 Set up the module and optimizers together (``fabric.setup(model, optimizer)``) to shard once.
+
+[Note: a module set up again]
+DDP accepts the same module set up a second time: a second wrapper over the same parameters, and either trains
+them. Here a module has one engine, so setting it up again returns the forward module of that engine (Fabric wraps
+it anew): every wrapper drives the same engine, nothing is gathered or sharded again, and the weights and
+optimizer state carry on. Optimizers passed with it are bound as optimizers set up after their module are (above),
+which needs the module's optimizers not to have stepped yet: after a step that is refused with the reason, where
+DDP would accept it.
 """
 
 from __future__ import annotations
@@ -61,6 +69,14 @@ class ShardedModules:
         entry = ForwardEntry(module)
         self.items.append(ShardedModule(module, entry, self._build(module, entry, optimizers, values)))
         return entry
+
+    def setup_again(self, module: nn.Module, optimizers: list[Optimizer]) -> ForwardEntry:
+        """``module`` (or its forward module) is set up already: its forward module, with ``optimizers`` bound (see
+        [Note: a module set up again]). Collective when there are optimizers."""
+        item = self.find(module)
+        for optimizer in optimizers:
+            self.bind(optimizer)
+        return item.entry
 
     def find(self, module: nn.Module) -> ShardedModule:
         """The set-up module that is ``module`` or its forward module (what Fabric hands the strategy)."""

@@ -109,10 +109,17 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._recorder = ConstructionRecorder()
-        self._modules = ShardedModules(self._build_engine, lambda: self.root_device)
-        self._checkpoints = FabricCheckpoints(self._modules, state_dict_type == "full", lambda: self.is_global_zero)
+        # bound methods, not lambdas: the spawn launcher pickles the strategy into each rank
+        self._modules = ShardedModules(self._build_engine, self._root_device)
+        self._checkpoints = FabricCheckpoints(self._modules, state_dict_type == "full", self._is_global_zero)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.take_over_precision_choice()  # built by the strategy registry inside a Fabric: see the method
+
+    def _root_device(self) -> torch.device:
+        return self.root_device
+
+    def _is_global_zero(self) -> bool:
+        return self.is_global_zero
 
     # ---------------------------------------------------- launch (where the ranks sit: ProcessPerDevice)
     @override
@@ -153,6 +160,11 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """Shard ``module`` with its optimizers bound (one engine). Collective."""
+        if self._modules.holds(module):  # see [Note: a module set up again] in sharded_modules.py
+            entry = self._modules.setup_again(module, list(optimizers))
+            for optimizer in optimizers:
+                forward_zero_grad(optimizer)
+            return entry, list(optimizers), scheduler
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             entry = self._modules.setup(module, list(optimizers), values)
@@ -165,6 +177,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         """Shard ``module`` now, without optimizers: its parameters are real (sharded at stage 3) for an optimizer
         built from them, set up next with ``setup_optimizers`` (see [Note: optimizers set up after their module]),
         or for evaluation and distillation. Collective."""
+        if self._modules.holds(module):  # see [Note: a module set up again] in sharded_modules.py
+            return self._modules.setup_again(module, [])
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             return self._modules.setup(module, [], values)
@@ -184,6 +198,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
+        if self._modules.holds(module):
+            return  # set up already: its engine placed it (see [Note: a module set up again])
         if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             return  # built on the meta device: the engine gives each unit its storage on root_device
         module.to(self.root_device)

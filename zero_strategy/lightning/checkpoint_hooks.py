@@ -64,6 +64,14 @@ class ShardedCheckpointHooks(ParallelStrategy):
     _save_given: dict[str, Any] | None = None  # the placeholders handed to on_save_checkpoint
     _load_given: dict[str, Any] | None = None  # the placeholders handed to on_load_checkpoint
 
+    @override
+    def __getstate__(self) -> dict:
+        """A copy holds no engine and no view of an opened checkpoint (its file handles cannot travel): see [Note: a
+        copy of the strategy holds no engine] in sharded_model.py."""
+        state = super().__getstate__()
+        state.update(_pending_load=None, _loaded=None)
+        return state
+
     @property
     def engine(self) -> ZeroEngine:
         """The engine of the current run (see [Note: saving after fit] in sharded_model.py)."""

@@ -57,6 +57,11 @@ class ShardedCheckpointIO(CheckpointIO):
         self.handed_back: dict[str, bool] | None = None
         self.module: nn.Module | None = None  # the module a checkpoint is opened for (ZeroStrategy sets it)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy holds no engine and no opened checkpoint (its file handles cannot travel): see [Note: a copy of the
+        strategy holds no engine] in sharded_model.py."""
+        return {**vars(self), "_engine": None, "opened": None}
+
     def attach(self, engine: ZeroEngine | None, precision: str) -> None:
         self._engine = engine
         self._precision = precision

@@ -29,6 +29,23 @@ from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, nor
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 
+class _AlreadyRun:
+    """[Note: the closure the optimizer's step receives]
+    Lightning's DDP path calls ``optimizer.step(closure=...)`` with every precision plugin but 16-mixed, whose
+    GradScaler calls ``optimizer.step()`` without one (precision.py and amp.py in lightning/pytorch/plugins), in
+    automatic and manual optimization alike; a wrapper or mock of ``step`` sees the same call under ZeRO. The
+    closure (forward and backward) has run before the step window, whose reduction needs its gradients, so the
+    closure handed to ``step`` returns that run's result without running anything again: torch's optimizers call it
+    once, for the loss ``step`` returns, and get DDP's value. (LBFGS, which calls it repeatedly, is refused: see
+    core/engine/optimizer.py.)"""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def __call__(self) -> Any:
+        return self._result
+
+
 class ZeroPrecision(Precision):
     """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (dynamic loss scaling when ``loss_scale`` is 0).
 
@@ -81,6 +98,10 @@ class ZeroPrecision(Precision):
     def policy(self) -> MixedPrecisionPolicy | None:
         return self.settings.policy()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy holds no engine: see [Note: a copy of the strategy holds no engine] in sharded_model.py."""
+        return {**vars(self), "_engine": None}
+
     def attach(self, engine: ZeroEngine | None) -> None:
         """Called by ZeroStrategy once the model is sharded (None after teardown)."""
         self._engine = engine
@@ -131,6 +152,8 @@ class ZeroPrecision(Precision):
             if isinstance(model, LightningModule):
                 with self._watching_grad_reads(model):  # on_before_optimizer_step, configure_gradient_clipping
                     self._after_closure(model, optimizer)
+            if self.precision != "16-mixed":  # see [Note: the closure the optimizer's step receives]
+                kwargs = {"closure": _AlreadyRun(closure_result), **kwargs}
             result = self.engine.step(optimizer, **kwargs)
         self._skipped_last[id(optimizer)] = False
         return closure_result if result is None else result

@@ -18,6 +18,14 @@ writes in each of its states.
   A module that does not hold them — built in ``configure_model`` or under ``init_module(empty_init=True)``, whose
   values only the exited workers held — makes the save raise, naming the saves that work (during fit, or the plain
   launcher), instead of writing an empty checkpoint.
+
+[Note: a copy of the strategy holds no engine]
+Lightning's progress bars keep the Trainer, so ``copy.deepcopy(trainer.callbacks)`` or pickling them copies the
+strategy. An engine is this process's live hold on the module (hooks, communicators, threads, shared-memory and
+file mappings, an opened checkpoint): it cannot travel, and a second one over the same memory would be wrong. A
+copy (deepcopy or pickle) of the strategy is therefore PLAIN: its module holds the weights (after a fit that gave
+full parameters back, as by default), and it saves from the module as the main process of a spawn launcher does.
+The original keeps its engine. DDP's copy likewise drops its reducer and process group.
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ class ShardedModel:
         self.engine: ZeroEngine | None = None  # SHARDED: driving the module; RELEASED: the last run's
         self.fit_engine: ZeroEngine | None = None  # RELEASED: the last fit's, while its optimizers are the Trainer's
         self._full = True  # RELEASED: whether the module got full parameters back
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy is PLAIN: see [Note: a copy of the strategy holds no engine]."""
+        return {"state": ModelState.PLAIN, "engine": None, "fit_engine": None, "_full": True}
 
     @property
     def active(self) -> ZeroEngine:

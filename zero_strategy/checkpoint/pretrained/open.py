@@ -4,10 +4,11 @@
 ``*.index.json``), a directory holding ``model.safetensors`` / ``pytorch_model.bin``, this project's sharded
 checkpoint directory or its consolidated outputs, a ``torch.distributed.checkpoint`` directory (FSDP2,
 torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
-``.ckpt`` torch file (memory-mapped, ``weights_only=True``). ``source.read(name, start, count)`` returns elements
-``[start, start + count)`` of the tensor's row-major flattening, in fp32 unless another dtype is asked for,
-reading only those elements from disk (see [Note: pretrained reads stay small] in checkpoint/pretrained/stores.py). A
-rank that owns a slice of a flat parameter reads exactly that slice; nothing holds a whole file or model.
+``.ckpt`` torch file (memory-mapped, ``weights_only=True``); a file of any other name is recognised by its
+content. ``source.read(name, start, count)`` returns elements ``[start, start + count)`` of the tensor's
+row-major flattening, in fp32 unless another dtype is asked for, reading only those elements from disk (see
+[Note: pretrained reads stay small] in checkpoint/pretrained/stores.py). A rank that owns a slice of a flat
+parameter reads exactly that slice; nothing holds a whole file or model.
 
 Importable without Lightning, like the rest of this folder.
 """
@@ -36,8 +37,6 @@ from zero_strategy.checkpoint.pretrained.keys import (
     renamed_keys,
 )
 from zero_strategy.checkpoint.pretrained.stores import (
-    SAFETENSORS_SUFFIX,
-    TORCH_SUFFIXES,
     IndexStore,
     ShardedCheckpointStore,
     TensorStore,
@@ -57,7 +56,7 @@ ACCEPTED = (
     "a .safetensors file; a Hugging Face sharded checkpoint (a directory or its *.index.json); a directory "
     "holding model.safetensors or pytorch_model.bin; a zero_strategy sharded checkpoint directory (manifest.json) "
     "or a file zero-to-fp32 wrote; a torch.distributed.checkpoint directory (.metadata); a torch state_dict or "
-    "Lightning checkpoint (.pt, .pth, .bin, .ckpt)"
+    "Lightning checkpoint (.pt, .pth, .bin, .ckpt, or any name: recognised by content)"
 )
 
 
@@ -168,9 +167,7 @@ def _open_file(path: Path) -> TensorStore:
     name = path.name.lower()
     if name.endswith(INDEX_SUFFIX):
         return IndexStore(path)
-    if not name.endswith((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES)):
-        raise CheckpointError(f"{path} is not a pretrained weights file this reads (accepted: {ACCEPTED})")
-    return open_tensor_file(path)
+    return open_tensor_file(path)  # a known suffix, or what the content says (any torch.save output)
 
 
 # ------------------------------------------------------------------------------------------------ modules

@@ -293,13 +293,32 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
 
 
 def open_tensor_file(path: Path) -> TensorStore:
-    """A single weights file, by its suffix."""
+    """A single weights file: by its suffix when it has a known one, otherwise by its content (torch.save writes a
+    zip archive whatever the file is called)."""
     suffix = path.suffix.lower()
     if suffix == SAFETENSORS_SUFFIX:
         return SafetensorsStore(path)
     if suffix in TORCH_SUFFIXES:
         return TorchFileStore(path)
+    kind = _kind_by_content(path)
+    if kind == "torch":
+        return TorchFileStore(path)  # a legacy (non-zip) torch file gets that store's remedy
+    if kind == "safetensors":
+        return SafetensorsStore(path)
     raise CheckpointError(
-        f"{path}: cannot tell what kind of weights file this is from its name; accepted are "
-        f"{SAFETENSORS_SUFFIX}, {', '.join(TORCH_SUFFIXES)} and *.index.json"
+        f"{path} is neither a torch file (torch.save's zip archive, or its legacy pickle format) nor a safetensors "
+        f"file (its first bytes: {kind}): give a weights file ({SAFETENSORS_SUFFIX}, {', '.join(TORCH_SUFFIXES)}, "
+        "*.index.json, or any torch.save output whatever its name)."
     )
+
+
+def _kind_by_content(path: Path) -> str:
+    """"torch" or "safetensors" from the file's first bytes; otherwise those bytes, for the error."""
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if zipfile.is_zipfile(path) or head[:1] == b"\x80":  # torch.save's zip archive, or a pickle (legacy torch)
+        return "torch"
+    # safetensors: an 8-byte little-endian header length, then the JSON header
+    if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return "safetensors"
+    return repr(head)

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.flat.access import forget_owner
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
 
@@ -41,6 +42,7 @@ def gather_into_module(flat: FlatParam) -> None:
     with torch.no_grad():
         for (_, values), param in zip(param_views(flat, whole), flat.params, strict=True):
             param.data = values.clone()
+            forget_owner(param)
     flat.storage.detach_full()
 
 

@@ -156,6 +156,13 @@ def mark_owner(param: Tensor, name: str, owner: object) -> None:
     param.__dict__["_zero_owner"] = weakref.ref(owner)
 
 
+def forget_owner(param: Tensor) -> None:
+    """The engine let the parameter go with its full values: it is a plain parameter again, and pickles as one (a
+    weak reference cannot be pickled)."""
+    param.__dict__.pop("_zero_name", None)
+    param.__dict__.pop("_zero_owner", None)
+
+
 def wrap(params: list[nn.Parameter]) -> None:
     """Their values are going elsewhere: reads outside forward are decided by the subclass (idempotent)."""
     for param in params:
