@@ -15,7 +15,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Fault:
     name: str
-    area: str  # the room of the library it hits: comm, flat, step, checkpoint, precision, lightning, fabric
+    area: str  # the room of the library it hits: comm, flat, engine, checkpoint, precision, lightning, fabric
     file: str  # relative to the repository root
     original: str  # exact text, found exactly once in `file`
     replacement: str
@@ -102,7 +102,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="step-reduction-drops-a-unit",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/window.py",
         original="        for unit in self.units:\n            unit.start_reduce(index, force=force)",
         replacement="        for unit in self.units[1:]:\n            unit.start_reduce(index, force=force)",
@@ -143,7 +143,7 @@ FAULTS: tuple[Fault, ...] = (
     # ------------------------------------------------------------------------------------------------ step
     Fault(
         name="norm-not-all-reduced",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/gradients.py",
         original='    total = comm.all_reduce(local_sum, ReduceOp.SUM, "gradient norm").wait()',
         replacement="    total = local_sum",
@@ -152,7 +152,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="inf-norm-summed",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/gradients.py",
         original='ReduceOp.MAX, "gradient norm")',
         replacement='ReduceOp.SUM, "gradient norm")',
@@ -161,7 +161,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="overflow-not-agreed",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/gradients.py",
         original='    return bool(comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait().item() > 0)',
         replacement="    return bool(found.item() > 0)",
@@ -170,7 +170,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="unscale-skipped",
-        area="step",
+        area="engine",
         file="zero_strategy/core/flat/grads.py",
         original="            for grad in grads:\n                grad.mul_(inv_scale)",
         replacement="            for grad in grads:\n                pass",
@@ -179,7 +179,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="loss-scale-window-not-restarted",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/loss_scaler.py",
         original="            self.last_overflow_iteration = self.iteration\n",
         replacement="",
@@ -188,7 +188,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="buffers-not-broadcast",
-        area="step",
+        area="engine",
         file="zero_strategy/core/engine/engine.py",
         original='            self.comms.everyone.broadcast(flat, 0, "buffers").wait()',
         replacement="            pass",
