@@ -103,6 +103,33 @@ def newer_format_version(ck, src):
     return MANIFEST_NAME
 
 
+def _edit_params(ck: Path, change) -> str:
+    """Apply ``change`` to the params of the first FlatParam holding two or more; return what the error must name."""
+    manifest = json.loads((ck / MANIFEST_NAME).read_text())
+    flat = next(f for f in manifest["flat_params"] if len(f["params"]) >= 2)
+    named = change(flat, len(manifest["shard_bytes"]))
+    (ck / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return named
+
+
+def parameter_range_past_its_shards(ck, src):
+    """The last parameter recorded one element later than its shards hold it (a writer's off-by-one)."""
+    def shift_last(flat, world):
+        last = max(flat["params"], key=lambda p: p["offset"])
+        last["offset"] = flat["shard_numel"] * world - last["numel"] + 1
+        return last["name"]
+    return _edit_params(ck, shift_last)
+
+
+def overlapping_parameter_ranges(ck, src):
+    """Two parameters recorded over the same elements."""
+    def overlap(flat, world):
+        first, second = sorted(flat["params"], key=lambda p: p["offset"])[:2]
+        second["offset"] = first["offset"] + first["numel"] - 1
+        return second["name"]
+    return _edit_params(ck, overlap)
+
+
 def missing_manifest(ck, src):
     (ck / MANIFEST_NAME).unlink()
     return MANIFEST_NAME
@@ -121,6 +148,8 @@ DAMAGES = [
     foreign_shard_with_matching_size,
     swapped_ranks,
     newer_format_version,
+    parameter_range_past_its_shards,
+    overlapping_parameter_ranges,
     missing_manifest,
     truncated_trainer_state,
 ]

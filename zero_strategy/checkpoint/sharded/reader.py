@@ -46,7 +46,29 @@ class ShardedCheckpoint:
         self.params: dict[str, tuple[FlatEntry, ParamEntry]] = {
             param.name: (flat, param) for flat in self.manifest.flat_params for param in flat.params
         }
+        self._validate_ranges()
         self._validate_files()
+
+    def _validate_ranges(self) -> None:
+        """Every parameter's range lies inside its FlatParam's shards and overlaps no other: a manifest that says
+        otherwise (edited, or written by a faulty writer) would read the wrong elements or past the last shard."""
+        manifest_path = self.path / MANIFEST_NAME
+        for flat in self.manifest.flat_params:
+            total = flat.shard_numel * self.manifest.world_size
+            end_of_previous, previous = 0, None
+            for param in sorted(flat.params, key=lambda p: p.offset):
+                if param.offset < 0 or param.numel < 0 or param.offset + param.numel > total:
+                    raise CheckpointError(
+                        f"{manifest_path}: {param.name} is recorded at elements [{param.offset}, "
+                        f"{param.offset + param.numel}) of {flat.key}, whose shards hold {total} "
+                        f"({self.manifest.world_size} x {flat.shard_numel}): a damaged or foreign manifest"
+                    )
+                if param.offset < end_of_previous:
+                    raise CheckpointError(
+                        f"{manifest_path}: {param.name} (from element {param.offset}) overlaps {previous} (up to "
+                        f"{end_of_previous}) in {flat.key}: a damaged or foreign manifest"
+                    )
+                end_of_previous, previous = param.offset + param.numel, param.name
 
     def _validate_files(self) -> None:
         state = self.version_dir / TRAINER_STATE_NAME
