@@ -42,15 +42,20 @@ def assert_finite(value: Tensor, name: str, side: str, what: str = "") -> None:
         )
 
 
-def tensor_rel_err(got: Tensor, ref: Tensor, name: str, what: str = "", dtype: bool = True,
-                   floor: float = ZERO_FLOOR) -> float:  # fmt: skip
-    """``max|got - ref| / max(max|ref|, floor)`` of one tensor after checking shape, dtype (unless ``dtype=False``:
-    the caller compares values of a deliberately different precision) and that both sides are finite."""
+def _assert_comparable(got: Tensor, ref: Tensor, name: str, what: str, dtype: bool) -> None:
+    """The same shape, the same dtype (unless ``dtype=False``: the caller compares values of a deliberately
+    different precision), and both sides finite."""
     assert got.shape == ref.shape, f"{_label(what)}{name}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}"
     if dtype:
         assert got.dtype == ref.dtype, f"{_label(what)}{name}: dtype {got.dtype}, the reference's {ref.dtype}"
     assert_finite(got, name, "the result", what)
     assert_finite(ref, name, "the reference", what)
+
+
+def tensor_rel_err(got: Tensor, ref: Tensor, name: str, what: str = "", dtype: bool = True,
+                   floor: float = ZERO_FLOOR) -> float:  # fmt: skip
+    """``max|got - ref| / max(max|ref|, floor)`` of one tensor, after :func:`_assert_comparable`."""
+    _assert_comparable(got, ref, name, what, dtype)
     if got.numel() == 0:
         return 0.0
     mine, theirs = got.detach().cpu().double(), ref.detach().cpu().double()
@@ -58,12 +63,8 @@ def tensor_rel_err(got: Tensor, ref: Tensor, name: str, what: str = "", dtype: b
 
 
 def tensor_abs_err(got: Tensor, ref: Tensor, name: str, what: str = "", dtype: bool = True) -> float:
-    """``max|got - ref|`` of one tensor, with the same checks as :func:`tensor_rel_err`."""
-    assert got.shape == ref.shape, f"{_label(what)}{name}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}"
-    if dtype:
-        assert got.dtype == ref.dtype, f"{_label(what)}{name}: dtype {got.dtype}, the reference's {ref.dtype}"
-    assert_finite(got, name, "the result", what)
-    assert_finite(ref, name, "the reference", what)
+    """``max|got - ref|`` of one tensor, after :func:`_assert_comparable`."""
+    _assert_comparable(got, ref, name, what, dtype)
     if got.numel() == 0:
         return 0.0
     return (got.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
