@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
@@ -32,6 +32,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.engine.build import build_parts
+from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
 from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.engine.release import gather_into_module, leave_sharded
@@ -39,7 +40,6 @@ from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
 from zero_strategy.core.engine.state_dict_loads import StateDictLoads
 from zero_strategy.core.engine.window import StepWindows
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.grad_reads import watching
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
@@ -138,8 +138,11 @@ class ZeroEngine:
         self._released_full = False  # what the release left in the module (returned again by a second release)
         # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.comms.everyone)
+        # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
+        self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending)
+        self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
-                                  self._before_root_forward, order)
+                                  self._before_root_forward, order, self.gradient_reads.after_backward)
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
@@ -199,7 +202,12 @@ class ZeroEngine:
                     buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
                     offset += buffer.numel()
 
+    def _reduce_all_pending(self) -> None:
+        for index in range(len(self.optimizers)):
+            self.windows.reduce(index, advance=False)
+
     def _before_root_forward(self) -> None:
+        self.gradient_reads.before_forward()
         if self.config.broadcast_buffers and self.comms.everyone.size > 1 and self.module.training:
             if torch.is_grad_enabled():
                 self._sync_buffers()
@@ -236,10 +244,10 @@ class ZeroEngine:
         optimizer's accumulation. Collective: every rank passes the same parameters (see zero_strategy.grad_norm)."""
         return self.windows.parameter_grad_norms(params, norm_type)
 
-    def watching_grad_reads(self) -> AbstractContextManager[None]:
-        """For the block's duration, reads of ``p.grad`` at stages 1/2 warn where the gradient is not what DDP's
-        would be (stage 3 always checks them outside forward): see [Note: reading p.grad under ZeRO]."""
-        return watching(self.flat_params)
+    def gather_gradients_for_reads(self) -> None:
+        """Make the copies that reads of ``p.grad`` return now, at a point every rank reaches (before Lightning's
+        gradient hooks, where a read may happen on one rank only): see [Note: p.grad as under DDP]. Collective."""
+        self.gradient_reads.gather_now()
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         return self.windows.clip_grad_norm(self.optimizer_index(optimizer), max_norm, norm_type)
@@ -323,6 +331,7 @@ class ZeroEngine:
         if full is None:
             full = not (self.built_sharded and self.stage.reshards_parameters)
         self.hooks.remove()
+        self.gradient_reads.close()
         if self.state_dict_gathers is not None:
             self.state_dict_gathers.remove()
         self.state_dict_loads.remove()

@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from zero_strategy.core.comm.engine_comms import EngineComms
 from zero_strategy.core.engine import gradients
 from zero_strategy.core.engine.chunked_step import chunked_step
+from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.hybrid import average_over_replicas
 from zero_strategy.core.engine.unused import Saved, agree_on_used, protect_unused, restore_unused
 from zero_strategy.core.flat.flat_param import FlatParam
@@ -96,6 +97,9 @@ class StepWindows:
         self.optimizers = optimizers
         self.steps = [OptimizerStep() for _ in optimizers]
         self.gradients_held = gradients_held
+        # the copies reads of p.grad returned; users' edits of them go into the slices before the slices are read
+        # (see [Note: p.grad as under DDP] in ddp_gradients.py). Set by the engine.
+        self.gradient_reads: DdpGradients | None = None
         # per optimizer, the other optimizers that step one of its FlatParams
         self.sharing: list[set[int]] = [set() for _ in optimizers]
         for flat in self.flats_of(None):
@@ -128,6 +132,8 @@ class StepWindows:
         ``advance=False`` (reading the gradients outside the step: per-parameter norms) leaves an ACCUMULATING
         optimizer ACCUMULATING, so its step agrees again on what later backward passes add. Collective: every
         rank calls it at the same point."""
+        if self.gradient_reads is not None:
+            self.gradient_reads.take_edits()
         step = self.steps[index]
         force: Callable[[FlatParam], bool] | None = None
         if step.phase is StepPhase.ACCUMULATING:
@@ -166,11 +172,18 @@ class StepWindows:
 
     def clip_grad_norm(self, index: int, max_norm: float, norm_type: float) -> Tensor:
         self.reduce(index)
+        self._changing(index)
         return gradients.clip_by_global_norm(self.pieces_of(index), self.comms.shard, max_norm, norm_type)
 
     def clip_grad_value(self, index: int, clip_value: float) -> None:
         self.reduce(index)
+        self._changing(index)
         gradients.clip_by_value(self.pieces_of(index), clip_value)
+
+    def _changing(self, index: int) -> None:
+        """Optimizer ``index``'s gradients are about to change here (clipping): copies made for reads are stale."""
+        for flat in self.flats_of(index):
+            flat.grads.changed()
 
     def unscale_and_check_overflow(self, index: int, inv_scale: float) -> bool:
         """Once per step (see ZeroEngine.unscale_and_check_overflow); each FlatParam's gradient is unscaled once,
@@ -202,6 +215,7 @@ class StepWindows:
         self.reduce(index)
         # parameters that produced no gradient on any rank must not move
         self.steps[index].saved_unused = protect_unused(self.flats_of(index), self.optimizers[index])
+        self._changing(index)
         self.barrier_for_host_wide_parameters("before the optimizer step")
         self.steps[index].phase = StepPhase.STEPPING
 
@@ -209,6 +223,8 @@ class StepWindows:
         """Step the user's optimizer on the master slices (in chunks when they live in files)."""
         self._expect(index, StepPhase.STEPPING, doing="step the optimizer")
         optimizer = self.optimizers[index]
+        if self.gradient_reads is not None:  # the optimizer's own memory peaks now: the copies for reads go
+            self.gradient_reads.drop()
         if self.placement is not None and self.placement.store is not None:
             chunked_step(optimizer, self.chunk_numel, self.placement.store)
             return None
