@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.utilities.types import Steppable
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -25,6 +24,7 @@ from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.engine.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
+from zero_strategy.lightning.gradient_hooks import overrides_gradient_hooks
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 
@@ -130,7 +130,7 @@ class ZeroPrecision(Precision):
         ``p.grad`` return are gathered here, where every rank passes, so that a read made on one rank only
         (``rank_zero_only``) needs no exchange (see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py).
         Nobody else pays for it."""
-        if self._engine is not None and _overrides_gradient_hooks(module):
+        if self._engine is not None and overrides_gradient_hooks(module):
             self._engine.gather_gradients_for_reads()
 
     # -------------------------------------------------------------------------------------- the step
@@ -231,15 +231,3 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def _overrides_gradient_hooks(module: LightningModule) -> bool:
-    """Whether user code runs in a hook where it could read ``p.grad`` (the same answer on every rank)."""
-    if any(is_overridden(hook, module) for hook in (*_GRADIENT_HOOKS, "configure_gradient_clipping")):
-        return True
-    trainer = module._trainer
-    callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-    return any(is_overridden(hook, callback, Callback) for callback in callbacks for hook in _GRADIENT_HOOKS)

@@ -8,16 +8,22 @@ was there. It stays until ``zero_grad()``. ZeRO keeps the averaged gradient only
 backward, stage 1 at the step, stage 1 in bf16/fp16 first in an fp32 stash), so the module's ``.grad`` is None or
 this rank's own sum. A read is answered instead of torch's attribute:
 
-- after a backward under a hold (``no_backward_sync``, Lightning's accumulation): this rank's own sum, which is
-  where torch or the fp32 stash keep it (no exchange; with slices already reduced earlier in the window, those are
-  gathered and added, as DDP's ``p.grad`` holds the earlier average plus the own sum);
+- after a backward inside an accumulation window (Fabric's ``no_backward_sync``; Lightning's micro-batches before
+  the last): this rank's own sum, where torch or the fp32 stash keep it (no exchange; with slices already reduced
+  earlier, those are gathered and added, as DDP's ``p.grad`` holds the earlier average plus the own sum). Stage 1
+  keeps every gradient on the module until the step; stages 2/3 keep them there only under a hold: Fabric's
+  ``no_backward_sync`` always, Lightning's window when the module or a callback overrides a gradient hook
+  (lightning/gradient_hooks.py: code that reads pays DDP's memory of full gradients during the window, other code
+  keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
+  :class:`GradientReadError` naming the remedies: no value it could return is DDP's.
 - otherwise the averaged gradient, in fp32 (the master dtype: under bf16/fp16 DDP's parameters and gradients are
   fp32 too, so this is its value): the first read after the gradients changed reduces whatever is still pending
   (stage 1) and gathers every FlatParam's slices into one fp32 copy per FlatParam, which later reads return views
   of. That first read is a collective (every rank reads, as every rank of DDP synchronizes); Lightning's gradient
   hooks, where a read may happen on one rank only (``rank_zero_only``), make it before the hook runs (see
   :meth:`DdpGradients.gather_now`) when the module or a callback overrides one of them.
-- None where no rank produced a gradient since it was last cleared, as under DDP.
+- None where no rank produced a gradient since it was last cleared, as under DDP. ``nn.Module.zero_grad()``
+  clears it too (Lightning calls it before a validation outside an accumulation window), as it clears DDP's.
 
 The copies are dropped when the gradients change (a reduction lands, fp16 unscaling, clipping, ``zero_grad()``)
 and when the optimizer step starts (the optimizer's own memory peaks there). A change a user makes to a returned
@@ -36,7 +42,8 @@ one that does, at each step where it reads, one all-gather of the fp32 gradients
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,10 @@ from torch import Tensor
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import unwatch, watch
 from zero_strategy.core.flat.whole import gather_whole
+
+
+class GradientReadError(RuntimeError):
+    """``p.grad`` was read where ZeRO cannot give DDP's value (see [Note: p.grad as under DDP])."""
 
 
 @dataclass(slots=True)
@@ -59,12 +70,15 @@ class _Copy:
 class DdpGradients:
     """The engine's answer to reads of ``p.grad`` (see [Note: p.grad as under DDP])."""
 
-    def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None]) -> None:
+    def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None], reduces_every_microstep: bool) -> None:
         """``reduce_all``: bring every optimizer's pending gradients onto its slices without ending any step's
-        accumulation (collective)."""
+        accumulation (collective). ``reduces_every_microstep``: stages 2/3."""
         self.flats = flats
         self.reduce_all = reduce_all
-        self.last_backward_held = False
+        self.reduces_every_microstep = reduces_every_microstep
+        self.in_window = False  # a framework's accumulation window is open (DDP would not synchronize)
+        self.last_backward_held = False  # the last backward kept this rank's own gradient (DDP: no_sync)
+        self.last_backward_reduced_early = False  # ...ran in a window, but stages 2/3 reduced it (no hold)
         self._copies: dict[int, _Copy] = {}
         self._watched = False
         reader = weakref.WeakMethod(self.read)
@@ -75,9 +89,11 @@ class DdpGradients:
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def after_backward(self, held: bool) -> None:
-        """A backward ended (``held``: under a hold, where DDP does not synchronize); reads are answered until the
-        next forward."""
-        self.last_backward_held = held
+        """A backward ended (``held``: its gradients stayed on the module); reads are answered until the next
+        forward."""
+        # stage 1 keeps every backward's gradient on the module anyway: inside a window that is DDP's own sum
+        self.last_backward_held = held or (self.in_window and not self.reduces_every_microstep)
+        self.last_backward_reduced_early = self.in_window and not self.last_backward_held
         self.take_edits()  # stage 1 reduced nothing in this backward: edits made before it still count
         self._copies.clear()  # on every rank alike: the next read gathers what this backward added
         if not self._watched:
@@ -98,12 +114,29 @@ class DdpGradients:
             flat.grad_reader = None
             flat.grads.before_change = None
 
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        """Backwards inside the block are an accumulation window's micro-batches before its last."""
+        was_in_window, self.in_window = self.in_window, True
+        try:
+            yield
+        finally:
+            self.in_window = was_in_window
+
     # ------------------------------------------------------------------------------------------------ reads
     def read(self, flat: FlatParam, index: int, torch_value: Tensor | None) -> Tensor | None:
         """What ``p.grad`` of parameter ``index`` of ``flat`` reads (``torch_value``: torch's attribute)."""
         grads = flat.grads
         if not flat.trainable or not flat.optimizers:
             return torch_value  # no optimizer steps it: nothing moved its gradient
+        if self.last_backward_reduced_early:
+            raise GradientReadError(
+                f"ZeRO: {flat.names[index]}.grad was read inside a gradient accumulation window, where DDP's holds "
+                "this rank's own sum; stages 2/3 reduced it already. Gradients are kept on the module during the "
+                "window (as DDP keeps them) when the LightningModule or a callback overrides on_after_backward, "
+                "on_before_optimizer_step or configure_gradient_clipping; or read it at the window's end, or use "
+                "zero1, which keeps them until the step."
+            )
         if self.last_backward_held:
             own = grads.pending_sum(index)
             if grads.slices_empty():
@@ -115,6 +148,12 @@ class DdpGradients:
         # never decided by what this rank alone holds: a peer may have produced the gradient (an unused parameter
         # here), and whether to gather must be the same answer on every rank
         return self._averaged(flat, index)
+
+    def forget(self, flat: FlatParam, index: int) -> None:
+        """``nn.Module.zero_grad()`` cleared parameter ``index``'s gradient (as DDP's, on every rank): its elements
+        of this rank's slices (and of the fp32 stash) become zeros and it counts as not produced. Local."""
+        flat.grads.forget(index)
+        self._copies.pop(id(flat), None)
 
     def gather_now(self) -> None:
         """Make the averaged copies now, at a point every rank reaches (before Lightning's gradient hooks), so that

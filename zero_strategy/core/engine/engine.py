@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.engine.buffers import broadcast_buffers
 from zero_strategy.core.engine.build import build_parts
 from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
@@ -38,7 +39,7 @@ from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad
 from zero_strategy.core.engine.release import gather_into_module, leave_sharded
 from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
 from zero_strategy.core.engine.state_dict_loads import StateDictLoads
-from zero_strategy.core.engine.window import StepWindows
+from zero_strategy.core.engine.window import StepWindow, StepWindows
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
@@ -64,17 +65,6 @@ class EngineState(Enum):
 
     SHARDING = auto()  # hooks installed: the module trains and evaluates sharded
     RELEASED = auto()  # hooks removed, comms closed; the slices (and the optimizers' state) are kept for a save
-
-
-class StepWindow:
-    """One optimizer step in progress (see :meth:`ZeroEngine.step_window`)."""
-
-    def __init__(self) -> None:
-        self.skipped = False
-
-    def skip(self) -> None:
-        """Leave the window without stepping: every rank drops this step's gradients."""
-        self.skipped = True
 
 
 _LIVE_ENGINES: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()  # engines sharding a module now (not released)
@@ -139,7 +129,8 @@ class ZeroEngine:
         # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.comms.everyone)
         # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
-        self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending)
+        self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending,
+                                           self.stage.reduces_every_microstep)
         self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
                                   self._before_root_forward, order, self.gradient_reads.after_backward)
@@ -189,18 +180,7 @@ class ZeroEngine:
 
     def _sync_buffers(self) -> None:
         """Adopt rank 0's buffers (DDP does this at wrap time; see ``broadcast_buffers`` for every forward)."""
-        buffers = [b for b in self.module.buffers() if b.numel() > 0]
-        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for buffer in buffers:
-            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        for group in by_kind.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            self.comms.everyone.broadcast(flat, 0, "buffers").wait()
-            offset = 0
-            with torch.no_grad():
-                for buffer in group:
-                    buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
-                    offset += buffer.numel()
+        broadcast_buffers(self.module, self.comms.everyone)
 
     def _reduce_all_pending(self) -> None:
         for index in range(len(self.optimizers)):
@@ -304,7 +284,16 @@ class ZeroEngine:
         accumulation's micro-steps before the last; see [Note: gradients held on the module] in
         runtime/backward_reductions.py). Every rank enters it around the same backwards. Stage 1 never reduces in
         backward: nothing changes there."""
-        with self.hooks.reductions.held():
+        with self.gradient_reads.window(), self.hooks.reductions.held():
+            yield
+
+    @contextmanager
+    def accumulation_window(self, hold: bool) -> Iterator[None]:
+        """Backwards inside the block are a framework's micro-batches before the last of an accumulation window
+        (where DDP does not synchronize). ``hold``: keep their gradients on the module (:meth:`gradients_held`), so
+        that reads of ``p.grad`` get this rank's own sum as under DDP; without it stages 2/3 reduce them as usual
+        and such a read is an error (see [Note: p.grad as under DDP] in ddp_gradients.py)."""
+        with self.gradients_held() if hold else self.gradient_reads.window():
             yield
 
     # ------------------------------------------------------------------------------------------------- access

@@ -80,6 +80,17 @@ class OptimizerStep:
     saved_unused: Saved = field(default_factory=list)  # elements no rank used, put back after the step
 
 
+class StepWindow:
+    """One optimizer step in progress (see :meth:`ZeroEngine.step_window`)."""
+
+    def __init__(self) -> None:
+        self.skipped = False
+
+    def skip(self) -> None:
+        """Leave the window without stepping: every rank drops this step's gradients."""
+        self.skipped = True
+
+
 class StepWindows:
     """The step lifecycle of every optimizer of one engine (see [Note: the step window])."""
 

@@ -143,8 +143,8 @@ def _sharded_class(own: type) -> type:
 
 
 def own_grad(param: Tensor) -> Tensor | None:
-    """``param.grad`` as ZeRO itself reads it: never checked as a user's read (see [Note: reading p.grad under
-    ZeRO] in grad_reads.py)."""
+    """``param.grad`` as ZeRO itself reads it: torch's attribute, never answered as a user's read (see [Note: p.grad
+    as under DDP] in core/engine/ddp_gradients.py)."""
     with torch._C.DisableTorchFunctionSubclass():
         return param.grad
 

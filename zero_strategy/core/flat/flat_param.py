@@ -153,6 +153,13 @@ class FlatParam:
         index = next(i for i, candidate in enumerate(self.params) if candidate is param)
         return reader(self, index, torch_value)
 
+    def forget_grad(self, param: Tensor) -> None:
+        """``nn.Module.zero_grad()`` cleared ``param``'s gradient: so does the engine."""
+        reader = self.grad_reader() if self.grad_reader is not None else None
+        if reader is not None:
+            index = next(i for i, candidate in enumerate(self.params) if candidate is param)
+            reader.__self__.forget(self, index)
+
     # ----------------------------------------------------------------------------------- shard / unshard
     def start_unshard(self) -> None:
         """Start gathering every rank's slice into the full buffer (asynchronously where possible)."""

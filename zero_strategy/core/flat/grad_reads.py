@@ -6,7 +6,8 @@ which answers the same way).
 Every other operation on a watched parameter goes through unchanged and returns plain tensors; forward unwatches
 the parameters first, so forward and backward never pay for it. ZeRO's own reads use ``access.own_grad`` (torch's
 attribute), never this. ``nn.Module.zero_grad()`` reads ``.grad`` only to clear it (Lightning calls it at the start
-of every fit, validation and test): its reads get torch's attribute, and nothing is gathered for them.
+of every fit and before a validation outside an accumulation window): nothing is gathered for it, and the
+parameter's gradient in the slices is cleared as DDP's ``p.grad`` is.
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ def is_grad_getter(func: Any) -> bool:
 
 
 def answer_grad_read(param: Tensor, owner: Any, torch_value: Tensor | None) -> Tensor | None:
-    """A user's read of ``param.grad``, called from a ``__torch_function__``: the engine's answer through ``owner``
-    (its FlatParam; None once the engine is gone), or torch's attribute for ``nn.Module.zero_grad``'s read (it only
-    clears). Frame 2 is the code that read the attribute (frame 1 the ``__torch_function__``)."""
-    if owner is None or sys._getframe(2).f_code is nn.Module.zero_grad.__code__:
+    """A user's read of ``param.grad``, called from a ``__torch_function__``: the engine's answer through
+    ``owner`` (its FlatParam; None once the engine is gone). ``nn.Module.zero_grad`` reads it only to clear it:
+    torch's attribute, and the engine clears the parameter's gradient as DDP's is cleared. Frame 2 is the code
+    that read the attribute (frame 1 the ``__torch_function__``)."""
+    if owner is None:
+        return torch_value
+    if sys._getframe(2).f_code is nn.Module.zero_grad.__code__:  # DDP's gradient goes: ours too
+        owner.forget_grad(param)
         return torch_value
     return owner.read_grad(param, torch_value)
 

@@ -260,6 +260,22 @@ class GradientSlices:
         """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
         self.seen = [seen or own_grad(p) is not None for seen, p in zip(self.seen, self.params, strict=True)]
 
+    def forget(self, index: int) -> None:
+        """Parameter ``index``'s gradient is cleared (``nn.Module.zero_grad()``): zeros in the slices and the stash,
+        and not produced since (the module's ``.grad`` is torch's to clear)."""
+        span = self.spec.layout.spans[index]
+        start = self.storage.own_range[0]
+        self.finish_reduce()
+        self.settle_host_copies()
+        for piece, offset in self.pieces:
+            lo, hi = max(span.offset, start + offset), min(span.end, start + offset + piece.numel())
+            if piece.grad is not None and lo < hi:
+                piece.grad[lo - start - offset : hi - start - offset].zero_()
+        if self.stash is not None:
+            self.stash[span.offset : span.end].zero_()
+        self.seen[index] = False
+        self.changed()
+
     def pending_sum(self, index: int) -> Tensor | None:
         """This rank's own gradient of parameter ``index`` not reduced yet: on the module, or in the fp32 stash
         (a view: a change to it is a change to what will be reduced); None when it has none."""

@@ -1,0 +1,21 @@
+"""Whether a LightningModule's code reads gradients in Lightning's gradient hooks: the module's own overrides, and
+its callbacks'. Decides where the Trainer pays for DDP's reads of ``p.grad`` (see [Note: p.grad as under DDP] in
+core/engine/ddp_gradients.py): the gradients are gathered before those hooks run, and kept on the module during an
+accumulation window at stages 2/3. The answer is the same on every rank (the same classes and callbacks run
+everywhere), so what it decides is a collective every rank makes alike."""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def overrides_gradient_hooks(module: LightningModule) -> bool:
+    """Whether user code runs in a hook where it could read ``p.grad``."""
+    if any(is_overridden(hook, module) for hook in (*_GRADIENT_HOOKS, "configure_gradient_clipping")):
+        return True
+    trainer = module._trainer
+    callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+    return any(is_overridden(hook, callback, Callback) for callback in callbacks for hook in _GRADIENT_HOOKS)
