@@ -189,9 +189,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="buffers-not-broadcast",
         area="engine",
-        file="zero_strategy/core/engine/engine.py",
-        original='            self.comms.everyone.broadcast(flat, 0, "buffers").wait()',
-        replacement="            pass",
+        file="zero_strategy/core/engine/buffers.py",
+        original='        comm.broadcast(flat, 0, "buffers").wait()',
+        replacement="        pass",
         description="buffers (BatchNorm statistics) are not taken from rank 0 before forward",
         tests=("tests/lightning/test_broadcast_buffers.py"
                "::test_with_accumulation_every_training_forward_starts_from_rank_0_unlike_ddp",),

@@ -291,10 +291,8 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """The micro-batches of an accumulation window before its last. Stage 1 communicates only at the step;
-        stages 2/3 reduce every micro-step (ZeRO's memory), unless user code reads gradients in Lightning's hooks:
-        then the gradients stay on the module for the window, so that ``p.grad`` is this rank's own sum there as
-        under DDP (see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py)."""
+        """An accumulation window's micro-batches before its last: stages 2/3 keep their gradients on the module
+        only when user code reads gradients in Lightning's hooks (see lightning/gradient_hooks.py)."""
         module = self.lightning_module
         hold = module is not None and overrides_gradient_hooks(module)
         with self.engine.accumulation_window(hold=hold):
