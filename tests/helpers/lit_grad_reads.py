@@ -88,3 +88,25 @@ class ManualGradients(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class ComparesNorms(pl.LightningModule):
+    """Records, in on_before_optimizer_step, Lightning's grad_norm over p.grad and zero_strategy.grad_norm over the
+    slices: under fp16 both must be unscaled there, as Lightning's DDP unscales before the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TiedLM(n_blocks=2)
+        self.pairs: list[tuple[dict[str, float], dict[str, float]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return lm_loss(self.net, batch[1])
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        import zero_strategy
+
+        ours = {k: float(v) for k, v in zero_strategy.grad_norm(self, 2).items()}
+        self.pairs.append(({k: float(v) for k, v in grad_norm(self, 2).items()}, ours))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)

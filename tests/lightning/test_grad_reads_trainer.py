@@ -13,10 +13,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from helpers.compare import assert_state_close
+from helpers.compare import assert_state_close, assert_values_close
 from helpers.launched import as_launched_rank
 from helpers.lit import loader
-from helpers.lit_grad_reads import ManualGradients, RankZeroGradientLogger, ReadsGradients
+from helpers.lit_grad_reads import ComparesNorms, ManualGradients, RankZeroGradientLogger, ReadsGradients
 from torch import Tensor
 
 from zero_strategy import ZeroStrategy
@@ -78,3 +78,29 @@ def test_gradient_reads_match_ddp(runs: list[dict], strategy: str, module: str) 
             assert any(key.startswith("clip/2/") for key in ddp) and "norms/2/grad_2.0_norm_total" in ddp
             assert any(key.startswith("rank_zero_norm/") for key in ddp) == (rank == 0)
         assert_state_close(got, ddp, rel=1e-5, what=f"rank {rank}, {strategy}, {module}")
+
+
+def norms_each(rank: int, world: int, precision: str) -> dict[str, list]:
+    as_launched_rank(rank, world)
+    out: dict[str, list] = {}
+    for name, make in STRATEGIES.items():
+        pl.seed_everything(0, verbose=False)
+        module = ComparesNorms()
+        trainer = pl.Trainer(strategy=make(), accelerator="cpu", devices=world, max_steps=3, logger=False,
+                             precision=precision, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, accumulate_grad_batches=2)
+        trainer.fit(module, loader(4 * 6 * world, 21))
+        out[name] = module.pairs
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_p_grad_is_unscaled_in_on_before_optimizer_step(precision: str) -> None:
+    for rank, runs in enumerate(run_ranks(norms_each, 2, precision, timeout_s=300)):
+        for strategy, pairs in runs.items():
+            assert pairs, strategy  # fp16: the steps the loss scale skips run no hook
+            for step, (lightnings, ours) in enumerate(pairs):
+                where = f"rank {rank}, {strategy}, {precision}, step {step}"
+                assert lightnings.keys() == ours.keys(), where
+                assert_values_close(list(lightnings.values()), list(ours.values()), rel=1e-5, what=where)
