@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.engine.ddp_gradients import GradientReadError
 from zero_strategy.core.engine.engine import engine_of
 from zero_strategy.core.flat.grad_reads import ShardedGradientWarning
 
-__all__ = ["ShardedGradientWarning", "grad_norm"]
+__all__ = ["GradientReadError", "ShardedGradientWarning", "grad_norm"]
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
