@@ -1,7 +1,8 @@
 """Reads of ``p.grad`` under ZeRO give DDP's values, at every stage, and cost nothing when nothing reads.
 
 One launch of 2 processes runs DDP (``find_unused_parameters=True``) and ZeroEngine at stages 1/2/3 (stage 3 on
-one host's shared memory and on ``collectives="point_to_point"``) on the same model and data: accumulation over 2
+one host's shared memory and on ``collectives="point_to_point"``; stage 2 with the optimizer offloaded to host
+memory, stage 3 to files) on the same model and data: accumulation over 2
 micro-batches (the first under ``no_sync`` / ``gradients_held``), a parameter only rank 0 uses in the second
 micro-batch, one no rank uses and a frozen one. At each point every parameter's ``p.grad`` is compared with DDP's:
 after the held backward (this rank's own sum), after the synchronizing one (the average), Lightning's ``grad_norm``
@@ -10,6 +11,8 @@ the step uses: the weights after the steps equal DDP's), after the step, and aft
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,9 +61,10 @@ def _ddp_run(rank: int) -> dict:
     return {"steps": seen, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _zero_run(rank: int, stage: int, collectives: str) -> dict:
+def _zero_run(rank: int, stage: int, collectives: str, offload: str = "none", nvme_dir: str | None = None) -> dict:
     model, optimizer = make_probe()
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives=collectives))
+    config = ZeroConfig(stage=stage, collectives=collectives, offload_optimizer=offload, nvme_path=nvme_dir)
+    engine = ZeroEngine(model, [optimizer], config)
     seen = [_observe(model, model, rank, s, engine.gradients_held, lambda: engine.optimizer_step(optimizer),
                      optimizer.zero_grad) for s in range(STEPS)]
     with engine.gathered_parameters():
@@ -69,10 +73,12 @@ def _zero_run(rank: int, stage: int, collectives: str) -> dict:
     return {"steps": seen, "state": state}
 
 
-def _runs(rank: int, world_size: int) -> dict:
+def _runs(rank: int, world_size: int, nvme_dir: str) -> dict:
     runs: dict = {"ddp": _ddp_run(rank)}
     for stage, collectives in ((1, "auto"), (2, "auto"), (3, "auto"), (3, "point_to_point")):
         runs[(stage, collectives)] = _zero_run(rank, stage, collectives)
+    runs[(2, "cpu offload")] = _zero_run(rank, 2, "auto", "cpu")  # the slices' gradients in host memory
+    runs[(3, "nvme offload")] = _zero_run(rank, 3, "auto", "nvme", f"{nvme_dir}/{rank}")  # ...in files
     return runs
 
 
@@ -87,8 +93,8 @@ def _assert_grads_equal(got: dict, want: dict, where: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_p_grad_reads_equal_ddps_at_every_point() -> None:
-    results = run_ranks(_runs, 2, timeout_s=150)
+def test_p_grad_reads_equal_ddps_at_every_point(tmp_path: Path) -> None:
+    results = run_ranks(_runs, 2, str(tmp_path), timeout_s=150)
     for rank, runs in enumerate(results):
         ddp = runs["ddp"]
         assert ddp["steps"][0]["synced"]["branch.weight"] is not None  # rank 1 too: DDP averages rank 0's

@@ -158,8 +158,16 @@ class DdpGradients:
     def gather_now(self) -> None:
         """Make the averaged copies now, at a point every rank reaches (before Lightning's gradient hooks), so that
         reads inside need no exchange. Nothing after a held backward (reads are this rank's own there)."""
-        if not self.last_backward_held:
+        if not self.last_backward_held and not self.last_backward_reduced_early and self._stale():
             self._refresh()
+
+    def _stale(self) -> bool:
+        """Whether some stepped FlatParam has no copy matching its slices (the same answer on every rank: the
+        slices change at the same points everywhere)."""
+        return any(
+            (copy := self._copies.get(id(flat))) is None or copy.slices_version != flat.grads.version
+            for flat in self.flats if flat.trainable and flat.optimizers
+        )
 
     def _averaged(self, flat: FlatParam, index: int) -> Tensor | None:
         copy = self._copies.get(id(flat))

@@ -226,7 +226,6 @@ class StepWindows:
         self.reduce(index)
         # parameters that produced no gradient on any rank must not move
         self.steps[index].saved_unused = protect_unused(self.flats_of(index), self.optimizers[index])
-        self._changing(index)
         self.barrier_for_host_wide_parameters("before the optimizer step")
         self.steps[index].phase = StepPhase.STEPPING
 
