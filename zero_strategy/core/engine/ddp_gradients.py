@@ -12,9 +12,9 @@ this rank's own sum. A read is answered instead of torch's attribute:
   the last): this rank's own sum, where torch or the fp32 stash keep it (no exchange; with slices already reduced
   earlier, those are gathered and added, as DDP's ``p.grad`` holds the earlier average plus the own sum). Stage 1
   keeps every gradient on the module until the step; stages 2/3 keep them there only under a hold: Fabric's
-  ``no_backward_sync`` always, Lightning's window when the module or a callback overrides a gradient hook
-  (lightning/gradient_hooks.py: code that reads pays DDP's memory of full gradients during the window, other code
-  keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
+  ``no_backward_sync`` always, Lightning's window when the module or a callback overrides ``on_after_backward``
+  (lightning/gradient_hooks.py: code that reads there pays DDP's memory of full gradients during the window, other
+  code keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
   :class:`GradientReadError` naming the remedies: no value it could return is DDP's.
 - otherwise the averaged gradient, in fp32 (the master dtype: under bf16/fp16 DDP's parameters and gradients are
   fp32 too, so this is its value): the first read after the gradients changed reduces whatever is still pending
@@ -132,10 +132,10 @@ class DdpGradients:
         if self.last_backward_reduced_early:
             raise GradientReadError(
                 f"ZeRO: {flat.names[index]}.grad was read inside a gradient accumulation window, where DDP's holds "
-                "this rank's own sum; stages 2/3 reduced it already. Gradients are kept on the module during the "
-                "window (as DDP keeps them) when the LightningModule or a callback overrides on_after_backward, "
-                "on_before_optimizer_step or configure_gradient_clipping; or read it at the window's end, or use "
-                "zero1, which keeps them until the step."
+                "this rank's own sum; stages 2/3 reduced it already. Under the Trainer the window's gradients stay on "
+                "the module (as DDP keeps them) when the LightningModule or a callback overrides on_after_backward; "
+                "under Fabric inside no_backward_sync. Or read it at the window's end (on_before_optimizer_step), "
+                "or use zero1, which keeps them until the step."
             )
         if self.last_backward_held:
             own = grads.pending_sum(index)
