@@ -1,10 +1,9 @@
-"""Gradients under ZeRO, as a user reads them: ``grad_norm``, Lightning's ``grad_norm`` for sharded gradients.
+"""Gradients under ZeRO, as a user reads them: ``grad_norm``, the cheap way to Lightning's ``grad_norm``.
 
-Under ZeRO a parameter's ``p.grad`` is not DDP's (see [Note: reading p.grad under ZeRO] in
-core/flat/grad_reads.py): stages 2/3 reduce-scatter it into the optimizer's slices after each backward, stage 1 at
-the optimizer step, so ``lightning.pytorch.utilities.grad_norm(self, 2)`` in ``on_before_optimizer_step`` finds
-no gradient and logs nothing. :func:`grad_norm` takes the same arguments and returns the same keys and values as
-Lightning's under DDP, computed from the slices every rank holds (one all-reduce); on a module no ZeRO engine
+A parameter's ``p.grad`` reads as DDP's (see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py), so
+``lightning.pytorch.utilities.grad_norm(self, 2)`` gives DDP's numbers, at the cost of gathering the full fp32
+gradients once per step. :func:`grad_norm` takes the same arguments and returns the same keys and values, computed
+from the slices every rank holds with one all-reduce of two numbers per parameter; on a module no ZeRO engine
 shards it is Lightning's computation, so the same ``training_step`` code runs under any strategy.
 """
 
@@ -13,10 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.engine.ddp_gradients import GradientReadError
 from zero_strategy.core.engine.engine import engine_of
 from zero_strategy.core.flat.grad_reads import ShardedGradientWarning
 
-__all__ = ["ShardedGradientWarning", "grad_norm"]
+__all__ = ["GradientReadError", "ShardedGradientWarning", "grad_norm"]
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:

@@ -21,6 +21,7 @@ from helpers.storage import (
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.engine.memory import memory_report
+from zero_strategy.core.flat.access import own_grad
 from zero_strategy.testing import run_ranks
 
 MODEL = {"vocab": 13, "width": 31, "n_blocks": 4}  # Ψ = 4681, every unit's size odd (padding at N = 2, 4)
@@ -33,7 +34,8 @@ def _psi() -> int:
 
 
 def _module_grads(model) -> list:
-    return [p.grad for p in model.parameters() if p.grad is not None]
+    """The gradient tensors torch holds on the module (memory, not a user's read of p.grad, which gathers)."""
+    return [g for g in (own_grad(p) for p in model.parameters()) if g is not None]
 
 
 def _param_bytes(model, optimizer, engine) -> int:

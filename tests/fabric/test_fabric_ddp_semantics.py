@@ -1,8 +1,10 @@
 """Fabric under ZeRO as under DDP: the strategy pickles (the spawn launcher sends it to each rank) and a spawn launch
 trains DDP's weights; a ``state_dict_type="full"`` file holds the user's keys only, as DDP's file does (see [Note:
 the consolidated file holds the user's keys] in zero_strategy/fabric/checkpoint.py); ``fabric.load_raw`` reads a
-torch file whatever its name, as DDP's ``torch.load`` does, and refuses clearly what is no weights file. Stages 1,
-2, 3 (stage 3 on both transports), 1 and 2 processes, DDP in the same run."""
+torch file whatever its name, as DDP's ``torch.load`` does, and refuses clearly what is no weights file; ``p.grad``
+after ``fabric.backward`` (inside and at the end of a ``no_backward_sync`` window) and ``fabric.clip_gradients`` is
+DDP's, and a clip by hand with torch's ``clip_grad_norm_`` is what the step uses. Stages 1, 2, 3 (stage 3 on both
+transports), 1 and 2 processes, DDP in the same run."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.fabric_runs import Net, train, weights
+from helpers.compare import assert_state_close, assert_values_close
+from helpers.fabric_runs import Net, batch, lm_loss, train, weights
 from helpers.fabric_spawn import single_process_reference, train_on_ranks
 from helpers.launched import as_launched_rank
 from helpers.litgpt_runs import make_fabric
@@ -182,3 +185,57 @@ def test_the_full_file_keeps_the_loss_scale_when_the_state_holds_the_precision(t
     GradScaler, the state names it."""
     scale, keys = run_ranks(loss_scale_round_trip, 1, str(tmp_path), timeout_s=120)[0]
     assert scale == 1234.0 and keys == ["model", "optimizer", "precision"], (scale, keys)
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_reads_each(rank: int, world: int) -> dict[str, Any]:
+    """Each strategy: 2 steps of 2 micro-batches (the first under ``no_backward_sync``); ``p.grad`` after each
+    ``fabric.backward``, after ``fabric.clip_gradients`` and after a further clip by hand with torch's
+    ``clip_grad_norm_`` (what the step then uses), and after the step."""
+    as_launched_rank(rank, world)
+    out: dict[str, Any] = {}
+    for name in ("ddp", *STRATEGIES):
+        fabric = make_fabric(_strategy(name), world)
+        fabric.seed_everything(0)
+        net = Net()
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        seen: dict[str, Any] = {}
+        for step in range(2):
+            for micro in range(2):
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    fabric.backward(lm_loss(model, batch(step, micro, fabric)) / 2)
+                seen[f"{step}/backward/{micro}"] = _grads(model)
+            seen[f"{step}/norm"] = fabric.clip_gradients(model, optimizer, max_norm=1.0).detach().clone()
+            seen[f"{step}/clipped"] = _grads(model)
+            seen[f"{step}/by_hand"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).detach().clone()
+            optimizer.step()
+            seen[f"{step}/after_step"] = _grads(model)
+            optimizer.zero_grad()
+            seen[f"{step}/after_zero_grad"] = _grads(model)
+        out[name] = {"seen": seen, "weights": weights(model)}
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1_process", "2_processes"])
+def grad_reads(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return run_ranks(grad_reads_each, request.param, timeout_s=300)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_p_grad_after_backward_and_clipping_is_ddps(grad_reads: list[dict[str, Any]], name: str) -> None:
+    for rank, runs in enumerate(grad_reads):
+        ddp, got = runs["ddp"], runs[name]
+        assert ddp["seen"]["0/backward/1"] and not ddp["seen"]["0/after_zero_grad"]  # the comparison is not empty
+        assert got["seen"].keys() == ddp["seen"].keys()
+        for point, want in ddp["seen"].items():
+            value = got["seen"][point]
+            if isinstance(want, dict):
+                assert value.keys() == want.keys(), f"rank {rank}, {point}: {sorted(set(value) ^ set(want))}"
+                assert_state_close(value, want, rel=1e-5, what=f"rank {rank}, {name}, {point}")
+            else:
+                assert_values_close([value.item()], [want.item()], rel=1e-5, what=f"rank {rank}, {name}, {point}")
+        assert_state_close(got["weights"], ddp["weights"], rel=1e-5, what=f"rank {rank}, {name}, weights")

@@ -189,9 +189,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         name="buffers-not-broadcast",
         area="engine",
-        file="zero_strategy/core/engine/engine.py",
-        original='            self.comms.everyone.broadcast(flat, 0, "buffers").wait()',
-        replacement="            pass",
+        file="zero_strategy/core/engine/buffers.py",
+        original='        comm.broadcast(flat, 0, "buffers").wait()',
+        replacement="        pass",
         description="buffers (BatchNorm statistics) are not taken from rank 0 before forward",
         tests=("tests/lightning/test_broadcast_buffers.py"
                "::test_with_accumulation_every_training_forward_starts_from_rank_0_unlike_ddp",),
@@ -283,5 +283,23 @@ FAULTS: tuple[Fault, ...] = (
         replacement="        tensor.backward(*args, **kwargs)",
         description="Fabric fp16: backward runs on the unscaled loss, and the step still divides by the scale",
         tests=("tests/fabric/test_fabric_precision.py::test_precision_strings_and_skipped_fp16_steps",),
+    ),
+    Fault(
+        name="grad-read-not-averaged",
+        area="engine",
+        file="zero_strategy/core/engine/ddp_gradients.py",
+        original="        return self._averaged(flat, index)\n",
+        replacement="        return torch_value\n",
+        description="a read of p.grad returns torch's attribute (None at stages 2/3) instead of DDP's average",
+        tests=("tests/distributed/test_ddp_grad_reads.py::test_p_grad_reads_equal_ddps_at_every_point",),
+    ),
+    Fault(
+        name="grad-edit-not-taken",
+        area="engine",
+        file="zero_strategy/core/engine/ddp_gradients.py",
+        original="                piece.grad.copy_(copy.whole[start + offset : start + offset + piece.numel()])\n",
+        replacement="                pass\n",
+        description="a clip of p.grad by hand (clip_grad_norm_ over module.parameters()) never reaches the step",
+        tests=("tests/distributed/test_ddp_grad_reads.py::test_p_grad_reads_equal_ddps_at_every_point",),
     ),
 )

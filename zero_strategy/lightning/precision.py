@@ -11,13 +11,11 @@ propagates the new values into the compute-dtype parameters. It contains no coll
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from lightning.fabric.utilities.types import Steppable
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -26,6 +24,7 @@ from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.engine.precision_settings import PrecisionSettings, engine_device_type, skip_step_on_overflow
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.precision_names import ALIASES, COMPUTE_DTYPES, normalize_precision  # noqa: F401 (re-exported)
+from zero_strategy.lightning.gradient_hooks import overrides_gradient_hooks
 from zero_strategy.lightning.schedule_hold import hold_back_lr_schedulers, release_lr_schedulers
 
 
@@ -123,16 +122,16 @@ class ZeroPrecision(Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        with self._watching_grad_reads(module):  # on_after_backward
-            return super().post_backward(tensor, module)
+        self._gather_for_gradient_hooks(module)  # on_after_backward
+        return super().post_backward(tensor, module)
 
-    def _watching_grad_reads(self, module: LightningModule) -> AbstractContextManager[None]:
-        """While Lightning's gradient hooks run, reads of ``p.grad`` warn where ZeRO keeps the gradient elsewhere
-        (see [Note: reading p.grad under ZeRO] in core/flat/grad_reads.py); only when the module or a callback
-        overrides one of them, so that nobody else pays for it."""
-        if self._engine is None or not _overrides_gradient_hooks(module):
-            return nullcontext()
-        return self._engine.watching_grad_reads()
+    def _gather_for_gradient_hooks(self, module: LightningModule) -> None:
+        """Before Lightning's gradient hooks, when the module or a callback overrides one: the gradients reads of
+        ``p.grad`` return are gathered here, where every rank passes, so that a read made on one rank only
+        (``rank_zero_only``) needs no exchange (see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py).
+        Nobody else pays for it."""
+        if self._engine is not None and overrides_gradient_hooks(module):
+            self._engine.gather_gradients_for_reads()
 
     # -------------------------------------------------------------------------------------- the step
     @override
@@ -150,8 +149,8 @@ class ZeroPrecision(Precision):
                 window.skip()  # the window drops the gradients on every rank: nothing moves
                 return closure_result
             if isinstance(model, LightningModule):
-                with self._watching_grad_reads(model):  # on_before_optimizer_step, configure_gradient_clipping
-                    self._after_closure(model, optimizer)
+                self._gather_for_gradient_hooks(model)  # on_before_optimizer_step, configure_gradient_clipping
+                self._after_closure(model, optimizer)
             if self.precision != "16-mixed":  # see [Note: the closure the optimizer's step receives]
                 kwargs = {"closure": _AlreadyRun(closure_result), **kwargs}
             result = self.engine.step(optimizer, **kwargs)
@@ -232,15 +231,3 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def _overrides_gradient_hooks(module: LightningModule) -> bool:
-    """Whether user code runs in a hook where it could read ``p.grad``."""
-    if any(is_overridden(hook, module) for hook in (*_GRADIENT_HOOKS, "configure_gradient_clipping")):
-        return True
-    trainer = module._trainer
-    callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-    return any(is_overridden(hook, callback, Callback) for callback in callbacks for hook in _GRADIENT_HOOKS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -53,6 +53,7 @@ from zero_strategy.deepspeed_import import DeepSpeedImport, parse_deepspeed_conf
 from zero_strategy.initial_values import initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
+from zero_strategy.lightning.gradient_hooks import reads_gradients_mid_window
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import ZeroPrecisionChoice
 from zero_strategy.lightning.preemption import install_preemption_saver
@@ -290,8 +291,11 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # Stage 1 communicates only in optimizer_step; stages 2/3 reduce every micro-step by design.
-        with nullcontext():
+        """An accumulation window's micro-batches before its last: stages 2/3 keep their gradients on the module
+        only when user code reads them in ``on_after_backward`` (see lightning/gradient_hooks.py)."""
+        module = self.lightning_module
+        hold = module is not None and reads_gradients_mid_window(module)
+        with self.engine.accumulation_window(hold=hold):
             yield
 
     def memory_report(self) -> MemoryReport:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
@@ -31,15 +31,16 @@ from torch.optim import Optimizer
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
+from zero_strategy.core.engine.buffers import broadcast_buffers
 from zero_strategy.core.engine.build import build_parts
+from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
 from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.engine.release import gather_into_module, leave_sharded
 from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
 from zero_strategy.core.engine.state_dict_loads import StateDictLoads
-from zero_strategy.core.engine.window import StepWindows
+from zero_strategy.core.engine.window import StepWindow, StepWindows
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.grad_reads import watching
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
@@ -64,17 +65,6 @@ class EngineState(Enum):
 
     SHARDING = auto()  # hooks installed: the module trains and evaluates sharded
     RELEASED = auto()  # hooks removed, comms closed; the slices (and the optimizers' state) are kept for a save
-
-
-class StepWindow:
-    """One optimizer step in progress (see :meth:`ZeroEngine.step_window`)."""
-
-    def __init__(self) -> None:
-        self.skipped = False
-
-    def skip(self) -> None:
-        """Leave the window without stepping: every rank drops this step's gradients."""
-        self.skipped = True
 
 
 _LIVE_ENGINES: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()  # engines sharding a module now (not released)
@@ -138,8 +128,12 @@ class ZeroEngine:
         self._released_full = False  # what the release left in the module (returned again by a second release)
         # one order for the whole run, agreed by every rank (the replicas' shard groups reduce in the same order)
         order = ReductionOrder(self.units, self.comms.everyone)
+        # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
+        self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending,
+                                           self.stage.reduces_every_microstep)
+        self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
-                                  self._before_root_forward, order)
+                                  self._before_root_forward, order, self.gradient_reads.after_backward)
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
@@ -186,20 +180,14 @@ class ZeroEngine:
 
     def _sync_buffers(self) -> None:
         """Adopt rank 0's buffers (DDP does this at wrap time; see ``broadcast_buffers`` for every forward)."""
-        buffers = [b for b in self.module.buffers() if b.numel() > 0]
-        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for buffer in buffers:
-            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        for group in by_kind.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            self.comms.everyone.broadcast(flat, 0, "buffers").wait()
-            offset = 0
-            with torch.no_grad():
-                for buffer in group:
-                    buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
-                    offset += buffer.numel()
+        broadcast_buffers(self.module, self.comms.everyone)
+
+    def _reduce_all_pending(self) -> None:
+        for index in range(len(self.optimizers)):
+            self.windows.reduce(index, advance=False)
 
     def _before_root_forward(self) -> None:
+        self.gradient_reads.before_forward()
         if self.config.broadcast_buffers and self.comms.everyone.size > 1 and self.module.training:
             if torch.is_grad_enabled():
                 self._sync_buffers()
@@ -236,10 +224,10 @@ class ZeroEngine:
         optimizer's accumulation. Collective: every rank passes the same parameters (see zero_strategy.grad_norm)."""
         return self.windows.parameter_grad_norms(params, norm_type)
 
-    def watching_grad_reads(self) -> AbstractContextManager[None]:
-        """For the block's duration, reads of ``p.grad`` at stages 1/2 warn where the gradient is not what DDP's
-        would be (stage 3 always checks them outside forward): see [Note: reading p.grad under ZeRO]."""
-        return watching(self.flat_params)
+    def gather_gradients_for_reads(self) -> None:
+        """Make the copies that reads of ``p.grad`` return now, at a point every rank reaches (before Lightning's
+        gradient hooks, where a read may happen on one rank only): see [Note: p.grad as under DDP]. Collective."""
+        self.gradient_reads.gather_now()
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         return self.windows.clip_grad_norm(self.optimizer_index(optimizer), max_norm, norm_type)
@@ -296,7 +284,16 @@ class ZeroEngine:
         accumulation's micro-steps before the last; see [Note: gradients held on the module] in
         runtime/backward_reductions.py). Every rank enters it around the same backwards. Stage 1 never reduces in
         backward: nothing changes there."""
-        with self.hooks.reductions.held():
+        with self.gradient_reads.window(), self.hooks.reductions.held():
+            yield
+
+    @contextmanager
+    def accumulation_window(self, hold: bool) -> Iterator[None]:
+        """Backwards inside the block are a framework's micro-batches before the last of an accumulation window
+        (where DDP does not synchronize). ``hold``: keep their gradients on the module (:meth:`gradients_held`), so
+        that reads of ``p.grad`` get this rank's own sum as under DDP; without it stages 2/3 reduce them as usual
+        and such a read is an error (see [Note: p.grad as under DDP] in ddp_gradients.py)."""
+        with self.gradients_held() if hold else self.gradient_reads.window():
             yield
 
     # ------------------------------------------------------------------------------------------------- access
@@ -323,6 +320,7 @@ class ZeroEngine:
         if full is None:
             full = not (self.built_sharded and self.stage.reshards_parameters)
         self.hooks.remove()
+        self.gradient_reads.close()
         if self.state_dict_gathers is not None:
             self.state_dict_gathers.remove()
         self.state_dict_loads.remove()

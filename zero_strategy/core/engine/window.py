@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from zero_strategy.core.comm.engine_comms import EngineComms
 from zero_strategy.core.engine import gradients
 from zero_strategy.core.engine.chunked_step import chunked_step
+from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.hybrid import average_over_replicas
 from zero_strategy.core.engine.unused import Saved, agree_on_used, protect_unused, restore_unused
 from zero_strategy.core.flat.flat_param import FlatParam
@@ -79,6 +80,17 @@ class OptimizerStep:
     saved_unused: Saved = field(default_factory=list)  # elements no rank used, put back after the step
 
 
+class StepWindow:
+    """One optimizer step in progress (see :meth:`ZeroEngine.step_window`)."""
+
+    def __init__(self) -> None:
+        self.skipped = False
+
+    def skip(self) -> None:
+        """Leave the window without stepping: every rank drops this step's gradients."""
+        self.skipped = True
+
+
 class StepWindows:
     """The step lifecycle of every optimizer of one engine (see [Note: the step window])."""
 
@@ -96,6 +108,9 @@ class StepWindows:
         self.optimizers = optimizers
         self.steps = [OptimizerStep() for _ in optimizers]
         self.gradients_held = gradients_held
+        # the copies reads of p.grad returned; users' edits of them go into the slices before the slices are read
+        # (see [Note: p.grad as under DDP] in ddp_gradients.py). Set by the engine.
+        self.gradient_reads: DdpGradients | None = None
         # per optimizer, the other optimizers that step one of its FlatParams
         self.sharing: list[set[int]] = [set() for _ in optimizers]
         for flat in self.flats_of(None):
@@ -128,6 +143,8 @@ class StepWindows:
         ``advance=False`` (reading the gradients outside the step: per-parameter norms) leaves an ACCUMULATING
         optimizer ACCUMULATING, so its step agrees again on what later backward passes add. Collective: every
         rank calls it at the same point."""
+        if self.gradient_reads is not None:
+            self.gradient_reads.take_edits()
         step = self.steps[index]
         force: Callable[[FlatParam], bool] | None = None
         if step.phase is StepPhase.ACCUMULATING:
@@ -166,11 +183,18 @@ class StepWindows:
 
     def clip_grad_norm(self, index: int, max_norm: float, norm_type: float) -> Tensor:
         self.reduce(index)
+        self._changing(index)
         return gradients.clip_by_global_norm(self.pieces_of(index), self.comms.shard, max_norm, norm_type)
 
     def clip_grad_value(self, index: int, clip_value: float) -> None:
         self.reduce(index)
+        self._changing(index)
         gradients.clip_by_value(self.pieces_of(index), clip_value)
+
+    def _changing(self, index: int) -> None:
+        """Optimizer ``index``'s gradients are about to change here (clipping): copies made for reads are stale."""
+        for flat in self.flats_of(index):
+            flat.grads.changed()
 
     def unscale_and_check_overflow(self, index: int, inv_scale: float) -> bool:
         """Once per step (see ZeroEngine.unscale_and_check_overflow); each FlatParam's gradient is unscaled once,
@@ -209,6 +233,8 @@ class StepWindows:
         """Step the user's optimizer on the master slices (in chunks when they live in files)."""
         self._expect(index, StepPhase.STEPPING, doing="step the optimizer")
         optimizer = self.optimizers[index]
+        if self.gradient_reads is not None:  # the optimizer's own memory peaks now: the copies for reads go
+            self.gradient_reads.drop()
         if self.placement is not None and self.placement.store is not None:
             chunked_step(optimizer, self.chunk_numel, self.placement.store)
             return None

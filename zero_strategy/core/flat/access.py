@@ -16,8 +16,7 @@ read on both transports):
 - ``module.state_dict()``: gathered for the duration of the call and every value cloned (the engine's state-dict
   hooks, engine/state_dict_hooks.py; a collective: every rank calls it). ``keep_vars=True`` returns the parameters
   themselves and gathers nothing.
-- a read of ``.grad``: what torch left there (None once the gradient was reduced), with a warning where the
-  gradient lives in the master slices instead (see [Note: reading p.grad under ZeRO] in grad_reads.py).
+- a read of ``.grad``: DDP's value (see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py).
 - any other read or write (``clone``, arithmetic, ``.data``, ``.tolist()``, ``bool(p)``, ``p.item()``, comparisons,
   ``print`` of the values): a :class:`ShardedParameterError` naming the parameter and the way to read it: ``with
   engine.gathered_parameters():`` (``trainer.strategy.gathered_parameters()`` under Lightning), a collective every
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zero_strategy.core.flat.grad_reads import check_grad_read, is_grad_getter
+from zero_strategy.core.flat.grad_reads import answer_grad_read, is_grad_getter
 
 # What reads no values of a parameter, and answers alike on every transport and as under DDP: properties (their
 # getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr`` and
@@ -104,9 +103,9 @@ class _Sharded:
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 value = func(*args, **(kwargs or {}))
-            if is_grad_getter(func):
+            if is_grad_getter(func):  # see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py
                 owner = args[0].__dict__.get("_zero_owner")
-                check_grad_read(args[0], owner() if owner is not None else None, args[0].__dict__.get("_zero_name"))
+                return answer_grad_read(args[0], owner() if owner is not None else None, value)
             return value
         sharded = next((a for a in args if isinstance(a, _Sharded)), None)
         raise _refused(getattr(sharded, "_zero_name", "a parameter"), _describe(func)[1])
@@ -144,8 +143,8 @@ def _sharded_class(own: type) -> type:
 
 
 def own_grad(param: Tensor) -> Tensor | None:
-    """``param.grad`` as ZeRO itself reads it: never checked as a user's read (see [Note: reading p.grad under
-    ZeRO] in grad_reads.py)."""
+    """``param.grad`` as ZeRO itself reads it: torch's attribute, never answered as a user's read (see [Note: p.grad
+    as under DDP] in core/engine/ddp_gradients.py)."""
     with torch._C.DisableTorchFunctionSubclass():
         return param.grad
 

@@ -11,6 +11,7 @@ trip autograd's "modified by an inplace operation" check.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class FlatParam:
         self.pieces = MasterPieces.carve(spec.layout, self.params, spec.groups_of, storage.shard, links.rank)
         self.grads = GradientSlices(spec, self.params, links.comm, storage, self.pieces, links.has_replicas,
                                     links.streams)
+        self.grads.owner = self
+        # the engine's answer to reads of p.grad, weakly (see [Note: p.grad as under DDP] in
+        # engine/ddp_gradients.py); None: torch's attribute is the answer
+        self.grad_reader: weakref.WeakMethod | None = None
         full = storage.full.tensor
         self.secondary = None if keeps_full or links.secondary is None else SecondaryCopy(
             spec.layout.padded_numel, full.dtype, full.device, links.secondary)  # see [Note: hierarchical parameters]
@@ -139,6 +144,21 @@ class FlatParam:
     @property
     def reduce_bytes(self) -> int:
         return self.spec.reduce_bytes
+
+    def read_grad(self, param: Tensor, torch_value: Tensor | None) -> Tensor | None:
+        """What a user's read of ``param.grad`` returns (``torch_value``: torch's attribute)."""
+        reader = self.grad_reader() if self.grad_reader is not None else None
+        if reader is None:
+            return torch_value
+        index = next(i for i, candidate in enumerate(self.params) if candidate is param)
+        return reader(self, index, torch_value)
+
+    def forget_grad(self, param: Tensor) -> None:
+        """``nn.Module.zero_grad()`` cleared ``param``'s gradient: so does the engine."""
+        reader = self.grad_reader() if self.grad_reader is not None else None
+        if reader is not None:
+            index = next(i for i, candidate in enumerate(self.params) if candidate is param)
+            reader.__self__.forget(self, index)
 
     # ----------------------------------------------------------------------------------- shard / unshard
     def start_unshard(self) -> None:

@@ -14,6 +14,7 @@ clears it (see [Note: optimizers sharing parameters] in engine/window.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from enum import Enum, auto
 
@@ -24,7 +25,6 @@ from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
 from zero_strategy.core.flat.access import own_grad
-from zero_strategy.core.flat.grad_reads import ModuleGrad
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.storage import FlatStorage
 from zero_strategy.core.plan.flat_specs import FlatSpec
@@ -84,6 +84,23 @@ class GradientSlices:
         self._host_copies: list[tuple[nn.Parameter, int, Tensor]] = []  # (piece, offset, pinned host values)
         self._copies_ready: object | None = None  # the event after which the host copies are complete
         self._copies_read_from: list[Tensor] = []  # the device slices those copies read
+        # Moves whenever the slices' gradient changes (a reduction landed, unscaling, clipping, zero_grad): what a
+        # copy of them made for a read of p.grad compares with (see [Note: p.grad as under DDP] in
+        # engine/ddp_gradients.py). Every rank changes its slices at the same points, so the version is the same on
+        # every rank.
+        self.version = 0
+        # Called with this object's FlatParam before the slices change: a user's edit of a p.grad copy goes in first
+        self.before_change: weakref.WeakMethod | None = None
+        self.owner: object | None = None  # the FlatParam (set by it), passed to ``before_change``
+
+    def changed(self) -> None:
+        """The slices' gradient changed (here, or by clipping in core/engine/gradients.py)."""
+        self.version += 1
+
+    def _about_to_change(self) -> None:
+        callback = self.before_change() if self.before_change is not None else None
+        if callback is not None:
+            callback(self.owner)
 
     # ----------------------------------------------------------------------------------------- flattening
     def stash_grad(self, index: int) -> None:
@@ -164,6 +181,8 @@ class GradientSlices:
     def _accumulate(self, slices: Iterable[tuple[nn.Parameter, int, Tensor]]) -> None:
         """Add each (master piece, its offset in the shard, reduced values) to the piece's gradient, creating it on
         the first reduction of a step."""
+        self._about_to_change()
+        self.changed()
         if self.scaling is Scaling.UNSCALED:  # these values carry the loss scale, the others no longer do
             self.scaling = Scaling.MIXED
         grad_file = self.storage.grad_file
@@ -216,6 +235,8 @@ class GradientSlices:
         if self.scaling is Scaling.UNSCALED or not grads:  # done already, or nothing to unscale yet
             return
         if inv_scale != 1.0:
+            self._about_to_change()
+            self.changed()
             for grad in grads:
                 grad.mul_(inv_scale)
         self.scaling = Scaling.UNSCALED
@@ -227,6 +248,7 @@ class GradientSlices:
         self.settle_host_copies()
         self.stash = None
         self.seen = [False] * len(self.params)
+        self.changed()
         self.slice_state = SliceState.EMPTY
         self.scaling = Scaling.SCALED
         for param in self.params:
@@ -238,11 +260,34 @@ class GradientSlices:
         """Mark the parameters holding a gradient not yet flattened (stage 1 keeps them until the step) as used."""
         self.seen = [seen or own_grad(p) is not None for seen, p in zip(self.seen, self.params, strict=True)]
 
-    def module_grad(self, index: int) -> ModuleGrad:
-        """What parameter ``index``'s ``.grad`` holds (see [Note: reading p.grad under ZeRO] in grad_reads.py)."""
-        if own_grad(self.params[index]) is not None:
-            return ModuleGrad.OWN
-        return ModuleGrad.ELSEWHERE if self.seen[index] else ModuleGrad.NONE
+    def forget(self, index: int) -> None:
+        """Parameter ``index``'s gradient is cleared (``nn.Module.zero_grad()``): zeros in the slices and the stash,
+        and not produced since (the module's ``.grad`` is torch's to clear)."""
+        span = self.spec.layout.spans[index]
+        start = self.storage.own_range[0]
+        self.finish_reduce()
+        self.settle_host_copies()
+        for piece, offset in self.pieces:
+            lo, hi = max(span.offset, start + offset), min(span.end, start + offset + piece.numel())
+            if piece.grad is not None and lo < hi:
+                piece.grad[lo - start - offset : hi - start - offset].zero_()
+        if self.stash is not None:
+            self.stash[span.offset : span.end].zero_()
+        self.seen[index] = False
+        self.changed()
+
+    def pending_sum(self, index: int) -> Tensor | None:
+        """This rank's own gradient of parameter ``index`` not reduced yet: on the module, or in the fp32 stash
+        (a view: a change to it is a change to what will be reduced); None when it has none."""
+        grad = own_grad(self.params[index])
+        if grad is not None or self.stash is None or not self.seen[index]:
+            return grad
+        span = self.spec.layout.spans[index]
+        return self.stash[span.offset : span.end].view(span.shape)
+
+    def slices_empty(self) -> bool:
+        """Nothing was reduced into the slices since they were last cleared (the same answer on every rank)."""
+        return self.slice_state is SliceState.EMPTY
 
     def unused_ranges(self, rank: int) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this rank's shard holding parameters that produced no gradient this step."""

@@ -95,6 +95,9 @@ class BackwardReductions:
                     # are produced, so accumulation over micro-steps happens in fp32, never in bf16/fp16
                     handles += [param.register_post_accumulate_grad_hook(OwnedHook(self._stash_at, u, f, i))
                                 for i, param in enumerate(flat.params)]  # fmt: skip
+                else:  # stage 1 in fp32: only the end of backward is needed (reads of p.grad learn of it there)
+                    handles += [param.register_post_accumulate_grad_hook(OwnedHook(self._landed))
+                                for param in flat.params]  # fmt: skip
         return handles
 
     # A parameter's hooks name their unit and FlatParam by position: torch holds them where the garbage collector
@@ -103,7 +106,11 @@ class BackwardReductions:
         self._on_grad_ready(self.units[unit], self.units[unit].flat_params[flat], index, param)
 
     def _stash_at(self, unit: int, flat: int, index: int, param: Tensor) -> None:
+        self.on_first_gradient()
         self.units[unit].flat_params[flat].grads.stash_grad(index)
+
+    def _landed(self, param: Tensor) -> None:
+        self.on_first_gradient()
 
     @contextmanager
     def held(self) -> Iterator[None]:

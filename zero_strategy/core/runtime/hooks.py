@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from zero_strategy.core.runtime.backward_reductions import BackwardReductions
+from zero_strategy.core.runtime.backward_reductions import BackwardReductions, GradientSync
 from zero_strategy.core.runtime.compile_check import not_traced
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
@@ -64,12 +64,16 @@ class RuntimeHooks:
         prefetch: bool,
         on_root_forward: Callable[[], None],
         reduction_order: ReductionOrder,
+        on_backward_end: Callable[[bool], None] = lambda held: None,
     ) -> None:
+        """``on_backward_end``: called at the end of every backward that produced a gradient here, with whether it
+        ran under a hold (see [Note: gradients held on the module])."""
         self.units = units
         self.stage = stage
         self.entry_module = entry_module
         self.prefetch = prefetch
         self.on_root_forward = on_root_forward
+        self.on_backward_end = on_backward_end
         self.reductions = BackwardReductions(units, stage, reduction_order, self._queue_final_callback)
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
@@ -253,9 +257,11 @@ class RuntimeHooks:
 
     def _end_of_backward(self) -> None:
         self._backward_order_recorded = bool(self.backward_order)
+        held = self.reductions.sync is GradientSync.HELD
         self.reductions.end_of_backward()
         for unit in self.units:
             if self.stage.reshards_parameters:
                 unit.reshard()
             unit.state = TrainingState.IDLE
         self._callback_queued = False
+        self.on_backward_end(held)
