@@ -20,7 +20,7 @@ from torch import Tensor
 from zero_strategy.checkpoint.base.format import CheckpointError, FlatEntry, ParamEntry
 from zero_strategy.checkpoint.deepspeed.layout import DeepSpeedFiles, find_files
 from zero_strategy.checkpoint.deepspeed.partitions import PartitionMap
-from zero_strategy.checkpoint.deepspeed.unpickle import load_deepspeed_file
+from zero_strategy.checkpoint.deepspeed.unpickle import LossScalerState, load_deepspeed_file
 
 WEIGHTS = "flat"  # ``tensor_of`` for the weights, as ShardedCheckpoint.read_param names it
 LIGHTNING_PREFIX = "_forward_module."  # Lightning's DeepSpeedStrategy wraps the LightningModule under this name
@@ -82,14 +82,29 @@ class DeepSpeedCheckpoint:
         }
         self._rank_models: dict[int, dict[str, Any]] = {}
         shapes = {local_name(n): list(s) for g in self.model_states["param_shapes"] for n, s in g.items()}
-        shapes.update(self._frozen_shapes)
         self.aliases = {
             local_name(a): local_name(s) for a, s in (self.model_states.get("shared_params") or {}).items()
         }
+        if self.model_states.get("frozen_param_shapes") is None and self.stage <= 2:
+            self._frozen_shapes = self._unlisted_frozen(shapes)
+        shapes.update(self._frozen_shapes)
         self.params: dict[str, tuple[FlatEntry, ParamEntry]] = {n: _entry(n, s) for n, s in shapes.items()}
         for alias, source in self.aliases.items():
             if source in self.params:
                 self.params[alias] = self.params[source]
+
+    def _unlisted_frozen(self, trainable: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Frozen parameters DeepSpeed did not list (its fp16 and bf16 optimizers at stages 1/2 record no
+        ``frozen_param_shapes``; their values are only in ``module``, in the training dtype): every module entry
+        that is neither a buffer, a trainable parameter nor a tied name. (DeepSpeed's own zero_to_fp32 leaves
+        them out of its output.)"""
+        buffers = {local_name(key) for key in self.model_states.get("buffer_names") or []}
+        module = self.model_states.get("module") or {}
+        return {
+            local_name(key): list(value.shape) for key, value in module.items()
+            if local_name(key) not in buffers and local_name(key) not in trainable
+            and local_name(key) not in self.aliases and isinstance(value, Tensor)
+        }
 
     def _optimizer_part(self, file: Path) -> dict[str, Any]:
         content = load_deepspeed_file(file, "DeepSpeed optimizer-state file")
@@ -124,9 +139,9 @@ class DeepSpeedCheckpoint:
 
     def _vector(self, rank: int, index: int, state: str | None) -> Tensor:
         if state is None:
-            return self._fp32[rank][index]
+            return self._fp32[rank][index].detach()
         try:
-            return self._base[rank]["state"][index][state]
+            return self._base[rank]["state"][index][state].detach()
         except KeyError as error:
             raise CheckpointError(
                 f"{self.files.optim_states[rank]}: no optimizer state {state!r} for partition {index}"
@@ -142,7 +157,7 @@ class DeepSpeedCheckpoint:
                 value = module.get(name, module.get(LIGHTNING_PREFIX + name))
             if value is None:
                 raise CheckpointError(f"{self.files.model_states}: frozen parameter {name!r} has no stored values")
-            return value.reshape(-1)[start : start + count].float().clone()
+            return value.detach().reshape(-1)[start : start + count].float().clone()
         piece = math.ceil(_numel(self._frozen_shapes[name]) / self.world_size)
         out = torch.empty(count, dtype=torch.float32)
         at = start
@@ -153,7 +168,7 @@ class DeepSpeedCheckpoint:
             stored = fragments.get(name, fragments.get(LIGHTNING_PREFIX + name))
             if stored is None:
                 raise CheckpointError(f"{self.files.rank_model_states[rank]}: no fragment of frozen {name!r}")
-            out[at - start : at - start + length].copy_(stored.reshape(-1)[inside : inside + length])
+            out[at - start : at - start + length].copy_(stored.detach().reshape(-1)[inside : inside + length])
             at += length
         return out
 
@@ -222,7 +237,7 @@ class DeepSpeedCheckpoint:
     def loss_scaler(self) -> dict[str, Any] | None:
         """The fp16 loss scaler's fields (``cur_scale``, ``cur_hysteresis``, ``last_overflow_iter``, ...)."""
         scaler = self._optim[0].get("loss_scaler")
-        return scaler.fields() if hasattr(scaler, "fields") else None
+        return scaler.fields() if isinstance(scaler, LossScalerState) else None
 
     def rng_state(self, rank: int) -> tuple[dict[str, Tensor], str] | None:
         return None  # DeepSpeed saves no RNG state

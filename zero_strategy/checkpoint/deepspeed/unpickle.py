@@ -17,6 +17,7 @@ import os
 import pickle
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ def load_deepspeed_file(path: Path, what: str = "DeepSpeed checkpoint file") -> 
     outside :data:`MAPPED` and torch's tensor types)."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing ({what})")
-    allowed = [(stand_in, name) for name, stand_in in MAPPED.items()]
+    allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+        (stand_in, name) for name, stand_in in MAPPED.items()
+    ]
     try:
         with _ALLOW_LOCK, torch.serialization.safe_globals(allowed):
             loaded = torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)

@@ -30,8 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.base.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError, fsync_directory
+from zero_strategy.checkpoint.base.format import (
+    BUFFERS_KEY,
+    MANIFEST_NAME,
+    PARAM_GROUPS_KEY,
+    CheckpointError,
+    fsync_directory,
+)
 from zero_strategy.checkpoint.base.safetensors_io import DTYPE_CODES, READ_CHUNK_BYTES, write_safetensors
+from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
+from zero_strategy.checkpoint.deepspeed.state_dict import read_deepspeed_checkpoint
 from zero_strategy.checkpoint.export.plain_file import read_plain_checkpoint
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
@@ -84,6 +92,11 @@ def consolidate(
         raise ValueError(f"{target} is a directory; give the path of the file to write")
     if Path(checkpoint).is_file():  # a plain torch / Lightning checkpoint: convert it (see plain_file.py)
         state_dict, trainer_state = read_plain_checkpoint(Path(checkpoint), weights_only)
+        _write_plain(state_dict, trainer_state, target)
+        return target
+    if is_deepspeed_directory(Path(checkpoint)) and not (Path(checkpoint) / MANIFEST_NAME).is_file():
+        # DeepSpeed's own zero_to_fp32 holds the whole model too; its values, read without DeepSpeed
+        state_dict, trainer_state = read_deepspeed_checkpoint(str(checkpoint))
         _write_plain(state_dict, trainer_state, target)
         return target
     with ShardedCheckpoint(checkpoint) as ckpt:

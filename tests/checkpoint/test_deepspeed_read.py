@@ -1,0 +1,161 @@
+"""Reading DeepSpeed checkpoints without DeepSpeed: safe unpickling, the layouts and their refusals, and every
+fixture's fp32 weights against DeepSpeed's own zero_to_fp32 output (the reference: made by DeepSpeed 0.19.8 when
+the fixtures were written; see tests/checkpoint/deepspeed_fixtures/README.md)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed_files import checkpoint_dir, fixture, fixture_names, record, write_layout, zero_to_fp32
+
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.deepspeed.layout import find_files, is_deepspeed_directory
+from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
+from zero_strategy.checkpoint.deepspeed.unpickle import FragmentAddress, LossScalerState, ZeroStage, load_deepspeed_file
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module, open_pretrained
+
+ENGINE = fixture_names("engine")
+
+
+class _RunsCode:
+    """Unpickling this calls ``exec`` on a line that writes a file: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_the_record_names_deepspeeds_versions() -> None:
+    versions = record()["versions"]
+    assert versions["deepspeed"] == "0.19.8" and versions["torch"].startswith("2.13.0")
+    assert len(ENGINE) == 18  # stages 1-3 x fp32/bf16/fp16 x world sizes 1, 2
+
+
+def test_a_pickle_that_runs_code_is_refused_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    root = write_layout(tmp_path / "ckpt", {"module": {}, "param_shapes": []},
+                        [{"optimizer_state_dict": {"zero_stage": _RunsCode(marker)}}])
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt was refused.*exec"):
+        DeepSpeedCheckpoint(root)
+    assert not marker.exists()
+
+
+def test_a_deepspeed_class_the_format_does_not_need_is_refused(tmp_path: Path, monkeypatch) -> None:
+    fake = types.ModuleType("deepspeed.runtime.engine")
+
+    class DeepSpeedEngine:
+        pass
+
+    DeepSpeedEngine.__module__ = fake.__name__
+    DeepSpeedEngine.__qualname__ = "DeepSpeedEngine"
+    fake.DeepSpeedEngine = DeepSpeedEngine  # type: ignore[attr-defined]
+    for parent in ("deepspeed", "deepspeed.runtime"):  # pickle imports the module path to check it (the test only)
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    torch.save({"engine": DeepSpeedEngine()}, tmp_path / "f.pt")
+    with pytest.raises(CheckpointError, match=r"deepspeed\.runtime\.engine\.DeepSpeedEngine"):
+        load_deepspeed_file(tmp_path / "f.pt")
+
+
+def test_deepspeeds_own_objects_become_stand_ins() -> None:
+    name = "engine_z2_fp16_ws2"
+    part = load_deepspeed_file(next((checkpoint_dir(name) / "global_step2").glob("zero_pp_rank_0_*optim*")))
+    state = part["optimizer_state_dict"]
+    assert isinstance(state["loss_scaler"], LossScalerState)
+    scaler = fixture(name)["loss_scaler_at_save"]
+    assert {k: state["loss_scaler"].fields()[k] for k in scaler} == scaler
+    assert state["zero_stage"] is ZeroStage.gradients
+    assert all(isinstance(a, FragmentAddress) for group in state["param_slice_mappings"] for a in group.values())
+
+
+@pytest.mark.parametrize("name", ENGINE)
+def test_fp32_weights_equal_deepspeeds_zero_to_fp32(name: str, tmp_path: Path) -> None:
+    """Exactly, key by key, including tied and frozen parameters (frozen ones cast to fp32 as ours are; at stage 1
+    DeepSpeed's tool leaves frozen parameters out, ours reads them from the module entry)."""
+    reference = zero_to_fp32(name)
+    out = consolidate(checkpoint_dir(name), tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+
+    ours = load_file(out)
+    assert set(reference) <= set(ours)
+    for key, value in reference.items():
+        expected = value.float() if value.is_floating_point() else value
+        assert torch.equal(ours[key], expected), key
+    assert set(ours) - set(reference) <= ({"frozen.weight", "frozen.bias"} if fixture(name)["stage"] == 1 else set())
+
+
+@pytest.mark.parametrize("name", ["engine_z1_bf16_ws2", "engine_z2_fp32_ws2", "engine_z3_fp16_ws2"])
+def test_element_ranges_across_rank_partitions(name: str) -> None:
+    reference = zero_to_fp32(name)
+    with DeepSpeedCheckpoint(checkpoint_dir(name)) as ckpt:
+        for key in ("embed.weight", "body.weight", "norm.bias", "head.weight"):
+            whole = reference[key].float().reshape(-1)
+            for start in range(whole.numel()):
+                for count in (1, 5, whole.numel() - start):
+                    count = min(count, whole.numel() - start)
+                    assert torch.equal(ckpt.read_param(key, "flat", start, count), whole[start : start + count])
+
+
+def test_pretrained_from_a_deepspeed_directory(tmp_path: Path) -> None:
+    from deepspeed_fixtures.make_fixtures import TinyLM
+
+    name = "engine_z3_bf16_ws2"
+    reference = zero_to_fp32(name)
+    model = TinyLM()
+    with open_pretrained(checkpoint_dir(name)) as source:
+        assert torch.equal(source.read("body.weight", 4, 9), reference["body.weight"].reshape(-1)[4:13])
+    load_pretrained_into_module(model, checkpoint_dir(name))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, reference[key].float()), key
+
+
+def test_every_level_of_the_layout_is_recognised() -> None:
+    root = checkpoint_dir("engine_z2_fp32_ws2")
+    assert is_deepspeed_directory(root) and is_deepspeed_directory(root / "global_step2")
+    assert find_files(root).tag_dir == find_files(root / "global_step2").tag_dir == root / "global_step2"
+    assert not is_deepspeed_directory(root.parent)
+
+
+def _copy(name: str, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(checkpoint_dir(name), to)
+    return to
+
+
+@pytest.mark.parametrize(
+    ("extra_file", "named"),
+    [
+        ("mp_rank_01_model_states.pt", "tensor-parallel"),
+        ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor-parallel"),
+        ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+        ("expp_rank_0_mp_rank_00_optim_states.pt", "expert"),
+    ],
+)
+def test_unsupported_layouts_are_refused_naming_what_was_found(tmp_path: Path, extra_file: str, named: str) -> None:
+    root = _copy("engine_z2_fp32_ws1", tmp_path / "ckpt")
+    (root / "global_step2" / extra_file).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=rf"{named}.*{extra_file}.*supported: DeepSpeed ZeRO stage 1, 2 or 3"):
+        DeepSpeedCheckpoint(root)
+
+
+def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
+    root = _copy("engine_z2_fp32_ws2", tmp_path / "ckpt")
+    (root / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"ranks \[0\] are missing"):
+        DeepSpeedCheckpoint(root)
+
+
+def test_a_truncated_file_is_named(tmp_path: Path) -> None:
+    root = _copy("engine_z3_fp32_ws2", tmp_path / "ckpt")
+    victim = root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt could not be read"):
+        DeepSpeedCheckpoint(root)
