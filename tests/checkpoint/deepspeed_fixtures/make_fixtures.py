@@ -193,6 +193,16 @@ def lightning_run(rank: int, world_size: int, stage: int, precision: str, direct
 
     DeepSpeedStrategy.setup_environment = pl.strategies.DDPStrategy.setup_environment  # type: ignore[method-assign]
     lightning_deepspeed._validate_device_index_selection = lambda devices: None  # CUDA indices: none on a CPU
+    import deepspeed
+
+    initialize = deepspeed.initialize
+
+    def initialize_on_cpu(*args: Any, **kwargs: Any) -> Any:  # Lightning passes the device index: None on a CPU
+        if getattr(kwargs.get("args"), "device_rank", 0) is None:
+            kwargs["args"].device_rank = -1
+        return initialize(*args, **kwargs)
+
+    deepspeed.initialize = initialize_on_cpu
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -236,6 +246,7 @@ def lightning_run(rank: int, world_size: int, stage: int, precision: str, direct
     loader = torch.utils.data.DataLoader(Batches(), batch_size=1, shuffle=False)
     config = ds_config(stage, precision, world_size)
     config.pop("train_batch_size")
+    config.pop("gradient_accumulation_steps")  # Lightning sets it from the Trainer
     config["train_micro_batch_size_per_gpu"] = 1  # Lightning's batch: one item = one rank's rows
     strategy = DeepSpeedStrategy(config=config, process_group_backend="gloo")
     saver = ModelCheckpoint(dirpath=directory, filename="step{step}", every_n_train_steps=SAVED_AT, save_top_k=-1)
