@@ -20,6 +20,7 @@ from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module, open_pretrained
 
 ENGINE = fixture_names("engine")
+CONSOLIDATED = ENGINE + fixture_names("universal") + fixture_names("lightning")
 
 
 class _RunsCode:
@@ -75,11 +76,14 @@ def test_deepspeeds_own_objects_become_stand_ins() -> None:
     assert all(isinstance(a, FragmentAddress) for group in state["param_slice_mappings"] for a in group.values())
 
 
-@pytest.mark.parametrize("name", ENGINE)
+@pytest.mark.parametrize("name", CONSOLIDATED)
 def test_fp32_weights_equal_deepspeeds_zero_to_fp32(name: str, tmp_path: Path) -> None:
     """Exactly, key by key, including tied and frozen parameters (frozen ones cast to fp32 as ours are; at stage 1
-    DeepSpeed's tool leaves frozen parameters out, ours reads them from the module entry)."""
-    reference = zero_to_fp32(name)
+    DeepSpeed's tool leaves frozen parameters out, ours reads them from the module entry). A universal fixture's
+    reference is zero_to_fp32 of the checkpoint ds_to_universal converted; a Lightning fixture's keys are the
+    LightningModule's (DeepSpeed's wrapper prefix removed)."""
+    prefix = "_forward_module." if fixture(name)["layout"] == "lightning" else ""
+    reference = {k.removeprefix(prefix): v for k, v in zero_to_fp32(name).items()}
     out = consolidate(checkpoint_dir(name), tmp_path / "model.safetensors")
     from safetensors.torch import load_file
 
@@ -88,7 +92,8 @@ def test_fp32_weights_equal_deepspeeds_zero_to_fp32(name: str, tmp_path: Path) -
     for key, value in reference.items():
         expected = value.float() if value.is_floating_point() else value
         assert torch.equal(ours[key], expected), key
-    assert set(ours) - set(reference) <= ({"frozen.weight", "frozen.bias"} if fixture(name)["stage"] == 1 else set())
+    frozen = {f"{'model.' if prefix else ''}frozen.{p}" for p in ("weight", "bias")}
+    assert set(ours) - set(reference) <= (frozen if fixture(name)["stage"] == 1 else set())
 
 
 @pytest.mark.parametrize("name", ["engine_z1_bf16_ws2", "engine_z2_fp32_ws2", "engine_z3_fp16_ws2"])
@@ -114,6 +119,23 @@ def test_pretrained_from_a_deepspeed_directory(tmp_path: Path) -> None:
     load_pretrained_into_module(model, checkpoint_dir(name))
     for key, value in model.state_dict().items():
         assert torch.equal(value, reference[key].float()), key
+
+
+def test_the_universal_layout_holds_the_same_state_as_the_checkpoint_it_was_made_from() -> None:
+    """ds_to_universal's whole tensors read as the partitions they came from were read: weights, moments, step,
+    hyper-parameters (the universal fixture was converted from a save of the same run as engine_z2_fp32_ws2)."""
+    from zero_strategy.checkpoint.deepspeed.universal import UniversalCheckpoint, open_deepspeed
+
+    universal = open_deepspeed(checkpoint_dir("universal_z2_fp32_ws2"))
+    partitioned = open_deepspeed(checkpoint_dir("engine_z2_fp32_ws2"))
+    assert isinstance(universal, UniversalCheckpoint) and not isinstance(partitioned, UniversalCheckpoint)
+    assert universal.param_groups() == partitioned.param_groups()
+    assert universal.stored_state_names() == partitioned.stored_state_names()
+    for name, (flat, _) in partitioned.params.items():
+        assert universal.state_names(flat) == partitioned.state_names(flat), name
+        assert universal.scalar_state_at(flat, 0) == partitioned.scalar_state_at(flat, 0), name
+        for tensor_of in ["flat"] + [f"optim:{state}" for state in partitioned.state_names(flat)]:
+            assert torch.equal(universal.read_param(name, tensor_of), partitioned.read_param(name, tensor_of))
 
 
 def test_every_level_of_the_layout_is_recognised() -> None:

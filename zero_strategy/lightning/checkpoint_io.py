@@ -186,9 +186,10 @@ class ShardedCheckpointIO(CheckpointIO):
     def _open_deepspeed(self, path: _PATH) -> dict[str, Any]:
         """A DeepSpeed ZeRO checkpoint (its plain engine layout or Lightning's DeepSpeedStrategy directory)."""
         from zero_strategy.checkpoint.deepspeed.load import deepspeed_buffers, deepspeed_trainer_state
+        from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 
         assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
-        opened = DeepSpeedCheckpoint(path)
+        opened = open_deepspeed(path)
         state = deepspeed_trainer_state(opened)
         self.opened = opened
         self.param_groups = []  # read in check(): matching groups needs the engine's

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.base.loadable import LoadTarget
 from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
+from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 from zero_strategy.checkpoint.sharded.load import load_optimizer_state, load_weights
 
 LISTED = 5  # names listed per kind of problem in an error message
@@ -124,7 +125,7 @@ def load_deepspeed(
     """Load a DeepSpeed ZeRO checkpoint into ``engine`` (weights, buffers and, with ``with_optimizer``, optimizer
     state and param-group hyper-parameters) and return its trainer state (see :func:`deepspeed_trainer_state`;
     the caller restores LR schedulers from ``lr_schedulers``). Every rank calls it."""
-    with DeepSpeedCheckpoint(path) as ckpt:
+    with open_deepspeed(path) as ckpt:
         check_deepspeed_compatible(engine, ckpt, strict, with_optimizer)
         groups = param_groups_for(engine, ckpt) if with_optimizer else None
         buffers = deepspeed_buffers(engine.module, ckpt)

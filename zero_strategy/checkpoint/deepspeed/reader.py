@@ -51,9 +51,31 @@ class DeepSpeedCheckpoint:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.files: DeepSpeedFiles = find_files(self.path)
-        if self.files.universal:
-            raise CheckpointError(f"{self.path} is a universal checkpoint: open it with UniversalCheckpoint")
         self.model_states = load_deepspeed_file(self.files.model_states, "DeepSpeed model-states file")
+        try:
+            trainable = {local_name(n): list(s) for g in self.model_states["param_shapes"] for n, s in g.items()}
+        except (KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{self.files.model_states}: no readable param_shapes ({error})") from error
+        self._open_partitions()
+        self._frozen_shapes = {
+            local_name(n): list(s) for n, s in (self.model_states.get("frozen_param_shapes") or {}).items()
+        }
+        self._rank_models: dict[int, dict[str, Any]] = {}
+        self.aliases = {
+            local_name(a): local_name(s) for a, s in (self.model_states.get("shared_params") or {}).items()
+        }
+        if self.model_states.get("frozen_param_shapes") is None and self.stage <= 2:
+            self._frozen_shapes = self._unlisted_frozen(trainable)
+        shapes = {**trainable, **self._frozen_shapes}
+        self.params: dict[str, tuple[FlatEntry, ParamEntry]] = {n: _entry(n, s) for n, s in shapes.items()}
+        for alias, source in self.aliases.items():
+            if source in self.params:
+                self.params[alias] = self.params[source]
+
+    def _open_partitions(self) -> None:
+        """Every rank's optimizer-state file: the stage, the fp32 partitions, the inner optimizer's state."""
+        if self.files.universal:
+            raise CheckpointError(f"{self.path} is a universal checkpoint: open it with open_deepspeed()")
         self._optim = [self._optimizer_part(file) for file in self.files.optim_states]
         self.stage = int(self._optim[0]["zero_stage"])
         self.world_size = len(self._optim)
@@ -62,9 +84,9 @@ class DeepSpeedCheckpoint:
         try:
             self._fp32: list[list[Tensor]] = [part[vectors] for part in self._optim]
             self._base: list[dict[str, Any]] = [part[inner] for part in self._optim]
-            groups = [{local_name(n): _numel(s) for n, s in g.items()} for g in self.model_states["param_shapes"]]
         except KeyError as error:
             raise CheckpointError(f"{self.files.tag_dir}: a stage-{self.stage} file lacks {error}") from error
+        groups = [{local_name(n): _numel(s) for n, s in g.items()} for g in self.model_states["param_shapes"]]
         # Every rank's partition of a group is rank 0's size, except that DeepSpeed's bf16 optimizer stores the
         # last rank's without the group's end padding: shorter, never longer.
         sizes = [vector.numel() for vector in self._fp32[0]]
@@ -76,22 +98,6 @@ class DeepSpeedCheckpoint:
             self.partitions = PartitionMap(self.stage, self.world_size, groups, sizes, alignment)
         except CheckpointError as error:
             raise CheckpointError(f"{self.files.tag_dir}: {error}") from error
-        self.group_of = {name: index for index, group in enumerate(groups) for name in group}
-        self._frozen_shapes = {
-            local_name(n): list(s) for n, s in (self.model_states.get("frozen_param_shapes") or {}).items()
-        }
-        self._rank_models: dict[int, dict[str, Any]] = {}
-        shapes = {local_name(n): list(s) for g in self.model_states["param_shapes"] for n, s in g.items()}
-        self.aliases = {
-            local_name(a): local_name(s) for a, s in (self.model_states.get("shared_params") or {}).items()
-        }
-        if self.model_states.get("frozen_param_shapes") is None and self.stage <= 2:
-            self._frozen_shapes = self._unlisted_frozen(shapes)
-        shapes.update(self._frozen_shapes)
-        self.params: dict[str, tuple[FlatEntry, ParamEntry]] = {n: _entry(n, s) for n, s in shapes.items()}
-        for alias, source in self.aliases.items():
-            if source in self.params:
-                self.params[alias] = self.params[source]
 
     def _unlisted_frozen(self, trainable: dict[str, list[int]]) -> dict[str, list[int]]:
         """Frozen parameters DeepSpeed did not list (its fp16 and bf16 optimizers at stages 1/2 record no

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint, local_name
+from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,7 @@ def consolidated_state_dict(ckpt: DeepSpeedCheckpoint) -> dict[str, Tensor]:
 
 def read_deepspeed_checkpoint(path: str) -> tuple[dict[str, Tensor], dict[str, object] | None]:
     """(the consolidated state dict, Lightning's trainer state or None for a plain engine's checkpoint)."""
-    with DeepSpeedCheckpoint(path) as ckpt:
+    with open_deepspeed(path) as ckpt:
         state_dict = consolidated_state_dict(ckpt)
         client = ckpt.client_state()
         lightning = client if "pytorch-lightning_version" in client else None

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from zero_strategy.checkpoint.deepspeed.state_dict import Key, read_key, state_dict_keys
+from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 from zero_strategy.checkpoint.pretrained.stores import TensorStore
 
 
@@ -19,7 +19,7 @@ class DeepSpeedStore(TensorStore):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._ckpt = DeepSpeedCheckpoint(path)
+        self._ckpt = open_deepspeed(path)
         self._keys: dict[str, Key] = {key.key: key for key in state_dict_keys(self._ckpt)}
 
     def keys(self) -> list[str]:
