@@ -249,7 +249,8 @@ def lightning_run(rank: int, world_size: int, stage: int, precision: str, direct
     config.pop("gradient_accumulation_steps")  # Lightning sets it from the Trainer
     config["train_micro_batch_size_per_gpu"] = 1  # Lightning's batch: one item = one rank's rows
     strategy = DeepSpeedStrategy(config=config, process_group_backend="gloo")
-    saver = ModelCheckpoint(dirpath=directory, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=SAVED_AT, save_top_k=-1)
+    saver = ModelCheckpoint(dirpath=directory, filename="step{step}", auto_insert_metric_name=False,
+                            every_n_train_steps=SAVED_AT, save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=SAVED_AT + CONTINUED if resume else
         SAVED_AT, callbacks=[saver] if not resume else [], logger=False, enable_progress_bar=False,
