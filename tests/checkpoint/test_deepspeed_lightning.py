@@ -31,6 +31,7 @@ class Module(pl.LightningModule):
         super().__init__()
         torch.manual_seed(123)  # other initial weights than the saved run's
         self.model = TinyLM()
+        self.model.gain.zero_()  # a buffer the checkpoint must restore, or every loss differs
         self.seen: list[tuple[float, list[float], int]] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -47,11 +48,19 @@ class Module(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class Batches(torch.utils.data.Dataset):
-    """One whole per-rank micro-batch per item, step by step (as the fixture script's)."""
+class WrapsAPlainModule(Module):
+    """A plain engine trained the bare TinyLM, which this LightningModule holds as ``self.model``: its checkpoint's
+    names gain the prefix in Lightning's own hook (the way a resume renames keys)."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.items = [rank_rows(global_batch(step), rank, world) for step in range(SAVED_AT + CONTINUED)]
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {f"model.{key}": value for key, value in checkpoint["state_dict"].items()}
+
+
+class Batches(torch.utils.data.Dataset):
+    """One whole per-rank micro-batch per item, step by step from ``first`` (as the fixture script's from 0)."""
+
+    def __init__(self, rank: int, world: int, first: int = 0) -> None:
+        self.items = [rank_rows(global_batch(step), rank, world) for step in range(first, SAVED_AT + CONTINUED)]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -60,15 +69,16 @@ class Batches(torch.utils.data.Dataset):
         return self.items[index]
 
 
-def resume(rank: int, world: int, name: str, stage: int, root: str) -> list[tuple[float, list[float], int]]:
+def resume(rank: int, world: int, name: str, stage: int, root: str, first: int = 0
+           ) -> list[tuple[float, list[float], int]]:
     as_launched_rank(rank, world)
-    module = Module()
+    module = Module() if fixture(name)["layout"] == "lightning" else WrapsAPlainModule()
     trainer = pl.Trainer(
         strategy=ZeroStrategy(stage=stage, process_group_timeout_s=60.0), accelerator="cpu", devices=world,
         max_steps=SAVED_AT + CONTINUED, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, use_distributed_sampler=False, default_root_dir=root,
     )
-    loader = torch.utils.data.DataLoader(Batches(rank, world), batch_size=1, shuffle=False)
+    loader = torch.utils.data.DataLoader(Batches(rank, world, first), batch_size=1, shuffle=False)
     trainer.fit(module, loader, ckpt_path=str(checkpoint_dir(name)))
     return module.seen
 
@@ -83,3 +93,17 @@ def test_fit_resumes_a_lightning_deepspeed_checkpoint(name: str, stage: int, wor
     assert [lrs[0] for _, lrs, _ in seen] == expected["lrs"][-CONTINUED:]  # the record holds group 0's
     what = f"{name} resumed by ZeroStrategy(stage={stage}) on {world} rank(s)"
     assert_values_close([loss for loss, _, _ in seen], expected["losses"][-CONTINUED:], rel=1e-5, what=what)
+
+
+@pytest.mark.timeout(180)  # quiet time about 10 s for two fits on a loaded 2-core box
+@pytest.mark.parametrize(("name", "stage", "world"), [("engine_z2_fp32_ws2", 3, 2), ("engine_z3_fp32_ws1", 1, 1)])
+def test_fit_resumes_a_plain_engines_checkpoint(name: str, stage: int, world: int, tmp_path: Path) -> None:
+    """A plain engine's checkpoint has no Lightning state: the fit resumes at DeepSpeed's step count from the first
+    batch of an epoch (see [Note: resuming a plain DeepSpeed engine's checkpoint] in lightning/deepspeed_loops.py),
+    so the data starts where the DeepSpeed run stopped; both param groups' learning rates are checked."""
+    expected = fixture(name)["continuation"]
+    seen = run_ranks(resume, world, name, stage, str(tmp_path), SAVED_AT, timeout_s=150)[0]
+    assert [step for _, _, step in seen] == list(range(SAVED_AT, SAVED_AT + CONTINUED))
+    assert [lrs for _, lrs, _ in seen] == expected["lrs"]
+    what = f"{name} resumed by ZeroStrategy(stage={stage}) on {world} rank(s)"
+    assert_values_close([loss for loss, _, _ in seen], expected["losses"], rel=1e-5, what=what)

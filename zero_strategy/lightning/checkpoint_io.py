@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
+from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -28,6 +30,7 @@ from zero_strategy.checkpoint.base.format import (
     PARAM_GROUPS_KEY,
     CheckpointError,
 )
+from zero_strategy.checkpoint.base.renamed import RenamedCheckpoint
 from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 from zero_strategy.checkpoint.dcp.paths import is_dcp_directory
 from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
@@ -40,6 +43,7 @@ from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.lightning.deepspeed_loops import loops_at_global_step
 
 if TYPE_CHECKING:
     from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
@@ -191,9 +195,13 @@ class ShardedCheckpointIO(CheckpointIO):
         assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
         opened = open_deepspeed(path)
         state = deepspeed_trainer_state(opened)
+        trainer = getattr(self.module, "_trainer", None)
+        if "loops" not in state and isinstance(trainer, Trainer):  # a plain engine's: no Lightning state in it
+            state["loops"] = loops_at_global_step(trainer, state["global_step"])
+            state.update({"pytorch-lightning_version": lightning_version, "epoch": 0})
         self.opened = opened
         self.param_groups = []  # read in check(): matching groups needs the engine's
-        self.buffers = deepspeed_buffers(self.module, opened)
+        self.buffers = deepspeed_buffers(opened)
         return state
 
     def optimizer_state_absent(self) -> bool:
@@ -216,9 +224,10 @@ class ShardedCheckpointIO(CheckpointIO):
             from zero_strategy.checkpoint.deepspeed.load import check_deepspeed_compatible
             from zero_strategy.checkpoint.deepspeed.load import param_groups_for as deepspeed_groups
 
-            check_deepspeed_compatible(self.engine, self.opened, strict=strict, with_optimizer=with_optimizer)
+            renamed = view.sources if isinstance(view, RenamedCheckpoint) else None
+            check_deepspeed_compatible(self.engine, self.opened, strict, with_optimizer, renamed)
             if with_optimizer:
-                self.param_groups = deepspeed_groups(self.engine, self.opened)
+                self.param_groups = deepspeed_groups(self.engine, self.opened, renamed)
             return
         from zero_strategy.checkpoint.dcp.load import check_dcp_compatible, param_groups_for
 

@@ -9,9 +9,10 @@ optimizers as they were.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.base.loadable import LoadTarget
@@ -29,12 +30,15 @@ the state names each stores (Adam's ``amsgrad`` adds ``max_exp_avg_sq``)."""
 
 
 def check_deepspeed_compatible(
-    engine: LoadTarget, ckpt: DeepSpeedCheckpoint, strict: bool, with_optimizer: bool
+    engine: LoadTarget, ckpt: DeepSpeedCheckpoint, strict: bool, with_optimizer: bool,
+    renamed: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`CheckpointError` if ``ckpt`` does not describe this model (and, with ``with_optimizer``, its
-    optimizer: one of :data:`OPTIMIZER_STATES`, with the same param groups)."""
+    optimizer: one of :data:`OPTIMIZER_STATES`, with the same param groups). ``renamed``: the model's name of each
+    checkpoint parameter it loads (name -> name in the checkpoint), when Lightning's load hooks renamed them."""
     model = {n: tuple(p.shape) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
-    stored = {name: tuple(param.shape) for name, (_, param) in ckpt.params.items()}
+    params = ckpt.params if renamed is None else {n: ckpt.params[s] for n, s in renamed.items() if s in ckpt.params}
+    stored = {name: tuple(param.shape) for name, (_, param) in params.items()}
     keys = {key for key, value in engine.module.state_dict(keep_vars=True).items() if isinstance(value, Tensor)}
     wrong = [f"{n}: checkpoint {stored[n]} vs model {s}" for n, s in model.items() if stored.get(n, s) != s]
     missing = sorted(set(model) - set(stored))
@@ -48,7 +52,7 @@ def check_deepspeed_compatible(
         raise CheckpointError(f"{ckpt.path} is a checkpoint of another model: " + "; ".join(p for p in problems if p))
     if with_optimizer:
         _check_optimizer(engine, ckpt)
-        param_groups_for(engine, ckpt)
+        param_groups_for(engine, ckpt, renamed)
 
 
 def _check_optimizer(engine: LoadTarget, ckpt: DeepSpeedCheckpoint) -> None:
@@ -69,9 +73,12 @@ def _check_optimizer(engine: LoadTarget, ckpt: DeepSpeedCheckpoint) -> None:
     )
 
 
-def param_groups_for(engine: LoadTarget, ckpt: DeepSpeedCheckpoint) -> list[list[dict[str, Any]]]:
+def param_groups_for(
+    engine: LoadTarget, ckpt: DeepSpeedCheckpoint, renamed: Mapping[str, str] | None = None
+) -> list[list[dict[str, Any]]]:
     """Each of the engine's param groups' hyper-parameters (learning rates moved by schedulers), from the stored
-    group that holds its parameters (matched by parameter names, not by position)."""
+    group that holds its parameters (matched by parameter names, not by position; ``renamed`` as for
+    :func:`check_deepspeed_compatible`)."""
     members: dict[int, list[str]] = {}
     for _, flat, optimizers in engine.named_flat_params():
         if 0 in optimizers:
@@ -80,6 +87,8 @@ def param_groups_for(engine: LoadTarget, ckpt: DeepSpeedCheckpoint) -> list[list
     group_of: dict[str, int] = {}
     stored = ckpt.param_groups()
     for index, (_, names) in enumerate(stored):
+        if renamed is not None:
+            names = [name for name, source in renamed.items() if source in set(names)]
         group_of.update(dict.fromkeys(names, index))
     groups: list[dict[str, Any]] = []
     for group_index in range(len(engine.optimizers[0].param_groups)):
@@ -109,14 +118,10 @@ def deepspeed_trainer_state(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
     return state
 
 
-def deepspeed_buffers(module: nn.Module, ckpt: DeepSpeedCheckpoint) -> dict[str, Tensor]:
-    """The module's buffers the checkpoint holds."""
-    stored = ckpt.buffers()
-    params = {id(p) for p in module.parameters()}
-    return {
-        key: stored[key] for key, value in module.state_dict(keep_vars=True).items()
-        if isinstance(value, Tensor) and id(value) not in params and key in stored
-    }
+def deepspeed_buffers(ckpt: DeepSpeedCheckpoint) -> dict[str, Tensor]:
+    """Every buffer the checkpoint holds, under its stored name (a load ignores names the module does not have,
+    and Lightning's load hooks may rename them first)."""
+    return ckpt.buffers()
 
 
 def load_deepspeed(
@@ -128,7 +133,7 @@ def load_deepspeed(
     with open_deepspeed(path) as ckpt:
         check_deepspeed_compatible(engine, ckpt, strict, with_optimizer)
         groups = param_groups_for(engine, ckpt) if with_optimizer else None
-        buffers = deepspeed_buffers(engine.module, ckpt)
+        buffers = deepspeed_buffers(ckpt)
         state = deepspeed_trainer_state(ckpt)
         load_weights(engine, ckpt)
         engine.module.load_state_dict(buffers, strict=False)
