@@ -130,9 +130,33 @@ def test_other_param_groups_are_refused() -> None:
         run_in_process(resume_with_one_group, 1)
 
 
-def test_the_loss_scaler_state_is_read() -> None:
-    with DeepSpeedCheckpoint(checkpoint_dir("engine_z3_fp16_ws2")) as ckpt:
-        scaler = ckpt.loss_scaler()
-    assert scaler is not None
-    expected = fixture("engine_z3_fp16_ws2")["loss_scaler_at_save"]
-    assert {key: scaler[key] for key in expected} == expected
+@pytest.mark.parametrize("name", [n for n in fixture_names("engine") if fixture(n)["precision"] == "fp16"])
+def test_the_fp16_loss_scaler_continues_as_deepspeeds(name: str) -> None:
+    """DeepSpeed's dynamic loss scaler, translated into ours (see [Note: DeepSpeed's loss-scale window] in
+    checkpoint/deepspeed/load.py), with the fixture's knobs (window 2, hysteresis 2): the state at the load and
+    after the 3 recorded clean steps is what DeepSpeed's was."""
+    from zero_strategy.checkpoint.deepspeed.load import loss_scaler_state
+    from zero_strategy.core.engine.loss_scaler import DynamicLossScaler, LossScalerConfig
+
+    with DeepSpeedCheckpoint(checkpoint_dir(name)) as ckpt:
+        state = loss_scaler_state(ckpt)
+    assert state is not None
+    expected = fixture(name)["continuation"]
+    scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=8, loss_scale_window=2, hysteresis=2))
+    scaler.load_state_dict(state)
+    at_load = expected["loss_scaler_at_load"]
+    assert (scaler.scale, scaler.hysteresis_left, scaler.iteration) == (
+        at_load["cur_scale"], at_load["cur_hysteresis"], at_load["cur_iter"])
+    for _ in range(CONTINUED):
+        scaler.update(overflow=False)
+    after = expected["loss_scaler_after"]
+    assert (scaler.scale, scaler.hysteresis_left, scaler.iteration) == (
+        after["cur_scale"], after["cur_hysteresis"], after["cur_iter"])
+
+
+def test_fp32_and_bf16_checkpoints_have_no_loss_scaler_to_carry() -> None:
+    from zero_strategy.checkpoint.deepspeed.load import loss_scaler_state
+
+    for name in ("engine_z2_fp32_ws2", "engine_z1_bf16_ws2", "engine_z3_bf16_ws1"):
+        with DeepSpeedCheckpoint(checkpoint_dir(name)) as ckpt:
+            assert loss_scaler_state(ckpt) is None

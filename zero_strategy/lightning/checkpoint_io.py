@@ -189,8 +189,13 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _open_deepspeed(self, path: _PATH) -> dict[str, Any]:
         """A DeepSpeed ZeRO checkpoint (its plain engine layout or Lightning's DeepSpeedStrategy directory)."""
-        from zero_strategy.checkpoint.deepspeed.load import deepspeed_buffers, deepspeed_trainer_state
+        from zero_strategy.checkpoint.deepspeed.load import (
+            deepspeed_buffers,
+            deepspeed_trainer_state,
+            loss_scaler_state,
+        )
         from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
+        from zero_strategy.lightning.precision import ZeroPrecision
 
         assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
         opened = open_deepspeed(path)
@@ -199,6 +204,9 @@ class ShardedCheckpointIO(CheckpointIO):
         if "loops" not in state and isinstance(trainer, Trainer):  # a plain engine's: no Lightning state in it
             state["loops"] = loops_at_global_step(trainer, state["global_step"])
             state.update({"pytorch-lightning_version": lightning_version, "epoch": 0})
+        scaler = loss_scaler_state(opened)
+        if scaler is not None:  # fp16: where ZeroPrecision.load_state_dict finds it
+            state[ZeroPrecision.__qualname__] = {"loss_scaler": scaler}
         self.opened = opened
         self.param_groups = []  # read in check(): matching groups needs the engine's
         self.buffers = deepspeed_buffers(opened)

@@ -118,6 +118,28 @@ def deepspeed_trainer_state(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
     return state
 
 
+def loss_scaler_state(ckpt: DeepSpeedCheckpoint) -> dict[str, Any] | None:
+    """DeepSpeed's fp16 dynamic loss scaler as our ``DynamicLossScaler.state_dict()`` (core/engine/loss_scaler.py),
+    or None when the checkpoint has no dynamic scaler (fp32, bf16, a static scale).
+
+    [Note: DeepSpeed's loss-scale window]
+    DeepSpeed 0.19 doubles the scale when ``cur_iter - last_overflow_iter - 1`` is a positive multiple of the
+    window; our scaler when ``iteration - last_overflow_iteration`` is a multiple of it: one iteration earlier.
+    The overflow iteration is moved one step later in the translation, so the resumed run doubles when DeepSpeed's
+    would have (the one exception: a checkpoint saved on the very step after an overflow doubles one step early).
+    The scaler's knobs (window, hysteresis, minimum) are this run's configuration, not the checkpoint's."""
+    fields = ckpt.loss_scaler()
+    if not fields or not fields.get("dynamic", False) or "cur_scale" not in fields:
+        return None
+    return {
+        "scale": float(fields["cur_scale"]),
+        "hysteresis_left": int(fields.get("cur_hysteresis", 1)),
+        "iteration": int(fields.get("cur_iter", 0)),
+        "last_overflow_iteration": int(fields.get("last_overflow_iter", -1)) + 1,  # see the Note
+        "skipped_steps": int(ckpt.model_states.get("skipped_steps", 0)),
+    }
+
+
 def deepspeed_buffers(ckpt: DeepSpeedCheckpoint) -> dict[str, Tensor]:
     """Every buffer the checkpoint holds, under its stored name (a load ignores names the module does not have,
     and Lightning's load hooks may rename them first)."""
