@@ -181,3 +181,33 @@ def test_a_truncated_file_is_named(tmp_path: Path) -> None:
     victim.write_bytes(victim.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt could not be read"):
         DeepSpeedCheckpoint(root)
+
+
+def test_zero_to_fp32_cli_writes_a_lightning_checkpoint_from_a_deepspeedstrategy_directory(tmp_path: Path) -> None:
+    """``zero-to-fp32 X.ckpt out.ckpt``: the LightningModule's state dict (its own key names) and Lightning's
+    trainer state from DeepSpeed's client state, for load_from_checkpoint; streamed as for our format."""
+    from zero_strategy.checkpoint.export.cli import main
+
+    name = "lightning_z3_fp32_ws2"
+    assert main([str(checkpoint_dir(name)), str(tmp_path / "out.ckpt"), "--no-progress"]) == 0
+    content = torch.load(tmp_path / "out.ckpt", weights_only=True)
+    assert content["global_step"] == 2 and "loops" in content and "optimizer_states" not in content
+    reference = zero_to_fp32(name)
+    for key, value in reference.items():
+        assert torch.equal(content["state_dict"][key.removeprefix("_forward_module.")], value.float()), key
+
+
+def test_hf_export_from_a_deepspeed_directory(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from zero_strategy.checkpoint.export.hf_export import consolidate_hf
+
+    name = "engine_z3_bf16_ws2"
+    out = consolidate_hf(checkpoint_dir(name), tmp_path / "hf", {"model_type": "tiny", "architectures": ["TinyLM"]},
+                         check_names=False,
+                         progress=False)
+    written = load_file(out / "model.safetensors")
+    reference = zero_to_fp32(name)
+    assert "head.weight" not in written  # the tied alias, stored once as Hugging Face does
+    for key, value in written.items():
+        assert torch.equal(value, reference[key].float()), key

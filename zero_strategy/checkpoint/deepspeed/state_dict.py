@@ -15,7 +15,6 @@ from torch import Tensor
 
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint, local_name
-from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,30 +55,3 @@ def read_key(ckpt: DeepSpeedCheckpoint, key: Key, start: int = 0, count: int | N
     value = ckpt.buffers()[key.key].reshape(-1)
     end = value.numel() if count is None else start + count
     return value[start:end].detach().clone()
-
-
-def consolidated_state_dict(ckpt: DeepSpeedCheckpoint) -> dict[str, Tensor]:
-    """The whole state dict in memory (tied keys share one tensor), as DeepSpeed's zero_to_fp32 builds it."""
-    out: dict[str, Tensor] = {}
-    by_param: dict[str, Tensor] = {}
-    for key in state_dict_keys(ckpt):
-        if key.param is not None and key.param in by_param:
-            out[key.key] = by_param[key.param]
-            continue
-        value = read_key(ckpt, key).view(key.shape) if key.shape else read_key(ckpt, key).reshape(())
-        out[key.key] = value
-        if key.param is not None:
-            by_param[key.param] = value
-    return out
-
-
-def read_deepspeed_checkpoint(path: str) -> tuple[dict[str, Tensor], dict[str, object] | None]:
-    """(the consolidated state dict, Lightning's trainer state or None for a plain engine's checkpoint)."""
-    with open_deepspeed(path) as ckpt:
-        state_dict = consolidated_state_dict(ckpt)
-        client = ckpt.client_state()
-        lightning = client if "pytorch-lightning_version" in client else None
-    return state_dict, lightning
-
-
-
