@@ -160,3 +160,36 @@ def test_fp32_and_bf16_checkpoints_have_no_loss_scaler_to_carry() -> None:
     for name in ("engine_z2_fp32_ws2", "engine_z1_bf16_ws2", "engine_z3_bf16_ws1"):
         with DeepSpeedCheckpoint(checkpoint_dir(name)) as ckpt:
             assert loss_scaler_state(ckpt) is None
+
+
+def _resume_from_dcp(rank: int, world: int, path: str, stage: int) -> dict[str, Any]:
+    from zero_strategy.checkpoint.dcp.load import load_dcp
+
+    model, optimizer, scheduler, engine = _build(stage)
+    state = load_dcp(engine, path)
+    scheduler.load_state_dict(state["lr_schedulers"][0])
+    losses = []
+    for step in range(SAVED_AT, SAVED_AT + CONTINUED):
+        optimizer.zero_grad()
+        loss = model(rank_rows(global_batch(step), rank, world))
+        loss.backward()
+        engine.optimizer_step(optimizer)
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "global_step": state["global_step"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "stage", "world"), [("engine_z3_fp32_ws2", 2, 2), ("engine_z1_fp32_ws1", 3, 4)])
+def test_zero_to_dcp_of_a_deepspeed_checkpoint_resumes_as_deepspeed_did(name: str, stage: int, world: int,
+                                                                          tmp_path) -> None:
+    """``zero-to-dcp DEEPSPEED_DIR OUT``: weights, Adam state and trainer state in a DCP directory, which our
+    engine resumes from and continues as DeepSpeed did."""
+    from zero_strategy.checkpoint.dcp.cli import main
+
+    assert main([str(checkpoint_dir(name)), str(tmp_path / "dcp")]) == 0
+    expected = fixture(name)["continuation"]
+    results = run_in_process(_resume_from_dcp, world, str(tmp_path / "dcp"), stage)
+    mean_losses = [sum(r["losses"][i] for r in results) / world for i in range(CONTINUED)]
+    assert_values_close(mean_losses, expected["losses"], rel=1e-5, what=f"{name} through zero-to-dcp")
+    assert results[0]["global_step"] == SAVED_AT
