@@ -211,3 +211,35 @@ def test_hf_export_from_a_deepspeed_directory(tmp_path: Path) -> None:
     assert "head.weight" not in written  # the tied alias, stored once as Hugging Face does
     for key, value in written.items():
         assert torch.equal(value, reference[key].float()), key
+
+
+def _pretrained_build(rank: int, world: int, name: str, stage: int) -> dict[str, torch.Tensor]:
+    """A meta-built TinyLM sharded with ``pretrained=`` the DeepSpeed directory, as ZeroStrategy builds it: each
+    rank fills its own slices from the ranges it owns."""
+    from deepspeed_fixtures.make_fixtures import TinyLM
+
+    from zero_strategy.config import ZeroConfig
+    from zero_strategy.core.engine.engine import ZeroEngine
+    from zero_strategy.core.init import record_construction
+    from zero_strategy.initial_values import initial_values
+
+    with record_construction() as recording:
+        model = TinyLM()
+    config = ZeroConfig(stage=stage, min_unit_numel=16, pretrained=str(checkpoint_dir(name)))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with initial_values(model, recording, config, torch.device("cpu")) as values:
+        engine = ZeroEngine(model, [optimizer], config, initial_values=values)
+    with engine.gathered_parameters():
+        return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "stage", "world"), [("engine_z3_fp16_ws2", 3, 2), ("engine_z2_fp32_ws1", 1, 3)])
+def test_pretrained_deepspeed_directory_in_a_sharded_build(name: str, stage: int, world: int) -> None:
+    from zero_strategy.testing import run_ranks
+
+    reference = zero_to_fp32(name)
+    for rank, loaded in enumerate(run_ranks(_pretrained_build, world, name, stage, timeout_s=100)):
+        for key, value in reference.items():
+            expected = value.float() if key != "gain" else value
+            assert torch.equal(loaded[key], expected), f"{key} on rank {rank}"
