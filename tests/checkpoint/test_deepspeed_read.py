@@ -243,3 +243,21 @@ def test_pretrained_deepspeed_directory_in_a_sharded_build(name: str, stage: int
         for key, value in reference.items():
             expected = value.float() if key != "gain" else value
             assert torch.equal(loaded[key], expected), f"{key} on rank {rank}"
+
+
+def test_an_optimizer_state_not_in_the_file_is_named(tmp_path: Path) -> None:
+    """What a checkpoint holds in place of a tensor kept elsewhere (here a path string, as a swapped-out NVMe tensor
+    would be): refused when read, naming the file, the state and the partition."""
+    from collections import OrderedDict
+
+    model = {"module": OrderedDict(w=torch.zeros(4)), "buffer_names": [],
+             "param_shapes": [OrderedDict(w=torch.Size([4]))], "frozen_param_shapes": None, "shared_params": {}}
+    part = {"optimizer_state_dict": {
+        "zero_stage": 2, "single_partition_of_fp32_groups": [torch.ones(4)],
+        "base_optimizer_state": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": "/nvme/swap/exp_avg_0.tensor",
+                                               "exp_avg_sq": torch.ones(4)}}, "param_groups": [{"lr": 0.1}]},
+    }}
+    with DeepSpeedCheckpoint(write_layout(tmp_path / "ckpt", model, [part])) as ckpt:
+        assert torch.equal(ckpt.read_param("w"), torch.ones(4))
+        with pytest.raises(CheckpointError, match=r"optim_states\.pt: exp_avg of partition 0 is a str.*NVMe"):
+            ckpt.read_param("w", "optim:exp_avg")

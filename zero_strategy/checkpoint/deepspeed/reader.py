@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from zero_strategy.checkpoint.base.format import CheckpointError, FlatEntry, ParamEntry
-from zero_strategy.checkpoint.deepspeed.layout import DeepSpeedFiles, find_files
+from zero_strategy.checkpoint.deepspeed.layout import SUPPORTED, DeepSpeedFiles, find_files
 from zero_strategy.checkpoint.deepspeed.partitions import PartitionMap
 from zero_strategy.checkpoint.deepspeed.unpickle import LossScalerState, load_deepspeed_file
 
@@ -144,14 +144,21 @@ class DeepSpeedCheckpoint:
         return out
 
     def _vector(self, rank: int, index: int, state: str | None) -> Tensor:
-        if state is None:
-            return self._fp32[rank][index].detach()
         try:
-            return self._base[rank]["state"][index][state].detach()
-        except KeyError as error:
+            value = self._fp32[rank][index] if state is None else self._base[rank]["state"][index][state]
+        except (KeyError, IndexError) as error:
             raise CheckpointError(
-                f"{self.files.optim_states[rank]}: no optimizer state {state!r} for partition {index}"
+                f"{self.files.optim_states[rank]}: no {state or 'fp32 weights'!r} for partition {index}"
             ) from error
+        if not isinstance(value, Tensor) or value.is_meta or value.numel() == 0:
+            # what DeepSpeed leaves in the file for a tensor it kept elsewhere (NVMe offload swaps them out)
+            found = "an empty tensor" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+            raise CheckpointError(
+                f"{self.files.optim_states[rank]}: {state or 'the fp32 weights'} of partition {index} is {found}, "
+                f"not its values (a tensor offloaded to NVMe that the checkpoint does not hold?). Supported: "
+                f"{SUPPORTED}, with every tensor in the files"
+            )
+        return value.detach()
 
     def _frozen(self, name: str, start: int, count: int) -> Tensor:
         """A frozen parameter's values: whole in the model states at stages 1/2, a piece per rank at stage 3."""
