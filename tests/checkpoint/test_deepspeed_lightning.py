@@ -69,14 +69,14 @@ class Batches(torch.utils.data.Dataset):
         return self.items[index]
 
 
-def resume(rank: int, world: int, name: str, stage: int, root: str, first: int = 0
+def resume(rank: int, world: int, name: str, stage: int, root: str, first: int = 0, precision: str = "32-true"
            ) -> list[tuple[float, list[float], int]]:
     as_launched_rank(rank, world)
     module = Module() if fixture(name)["layout"] == "lightning" else WrapsAPlainModule()
     trainer = pl.Trainer(
         strategy=ZeroStrategy(stage=stage, process_group_timeout_s=60.0), accelerator="cpu", devices=world,
         max_steps=SAVED_AT + CONTINUED, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, use_distributed_sampler=False, default_root_dir=root,
+        enable_checkpointing=False, use_distributed_sampler=False, default_root_dir=root, precision=precision,
     )
     loader = torch.utils.data.DataLoader(Batches(rank, world, first), batch_size=1, shuffle=False)
     trainer.fit(module, loader, ckpt_path=str(checkpoint_dir(name)))
@@ -107,3 +107,17 @@ def test_fit_resumes_a_plain_engines_checkpoint(name: str, stage: int, world: in
     assert [lrs for _, lrs, _ in seen] == expected["lrs"]
     what = f"{name} resumed by ZeroStrategy(stage={stage}) on {world} rank(s)"
     assert_values_close([loss for loss, _, _ in seen], expected["losses"], rel=1e-5, what=what)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("name", "stage", "world"), [("lightning_z2_bf16_ws2", 2, 2), ("lightning_z3_bf16_ws1", 3, 2)])
+def test_fit_resumes_a_bf16_deepspeed_checkpoint_in_bf16(name: str, stage: int, world: int, tmp_path: Path) -> None:
+    """A bf16 run continues in ``bf16-mixed`` from the same fp32 masters and Adam state: the losses agree within
+    1e-2 relative, not 1e-5, because DeepSpeed's forward (its whole module in bf16) rounds differently from ours
+    (bf16 autocast over fp32 parameters); bf16's own resolution is 4e-3. Measured here: up to 1.3e-3; with the Adam
+    moments loaded as zeros (a planted fault, checked when this test was written): 4.5e-2."""
+    expected = fixture(name)["continuation"]
+    seen = run_ranks(resume, world, name, stage, str(tmp_path), 0, "bf16-mixed", timeout_s=150)[0]
+    assert [step for _, _, step in seen] == list(range(SAVED_AT, SAVED_AT + CONTINUED))
+    what = f"{name} resumed in bf16-mixed by ZeroStrategy(stage={stage}) on {world} rank(s)"
+    assert_values_close([loss for loss, _, _ in seen], expected["losses"], rel=1e-2, what=what)
