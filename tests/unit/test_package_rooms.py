@@ -209,14 +209,15 @@ def test_core_rooms_import_downwards_only():
 
 
 # Each checkpoint room and the rooms it may import (the order of the package docstring of zero_strategy.checkpoint):
-# base <- sharded <- {dcp, export}; dcp <- pretrained; everything <- strategy_io.
+# base <- sharded <- deepspeed <- {dcp, export}; dcp <- pretrained; everything <- strategy_io.
 CHECKPOINT_ROOMS = {
     "base": set(),
     "sharded": {"base"},
-    "dcp": {"base", "sharded"},
-    "export": {"base", "sharded"},
-    "pretrained": {"base", "sharded", "dcp"},
-    "strategy_io": {"base", "sharded", "dcp", "export", "pretrained"},
+    "dcp": {"base", "sharded", "deepspeed"},
+    "deepspeed": {"base", "sharded"},
+    "export": {"base", "sharded", "deepspeed"},
+    "pretrained": {"base", "sharded", "dcp", "deepspeed"},
+    "strategy_io": {"base", "sharded", "dcp", "deepspeed", "export", "pretrained"},
 }
 # The modules directly in checkpoint/: old import paths kept as aliases of their new homes, and ``python -m``.
 CHECKPOINT_ALIASES = {"consolidate", "hf_export", "save", "dcp_load", "dcp_cli", "__main__"}

@@ -2,10 +2,10 @@
 
 Every rank calls ``save_checkpoint`` (ZeroStrategy makes sure of that); each writes its own shard, in the format
 ``checkpoint_format`` names (our sharded directory, or a ``torch.distributed.checkpoint`` directory). Loading
-reads either, whatever the setting, and is split in two so that Lightning's restore order works:
-``load_checkpoint`` validates every file and the model's compatibility before anything changes and returns
-Lightning's trainer state; the strategy then loads weights and optimizer state from :attr:`opened` at the points
-where Lightning restores the model and the optimizers.
+reads either, and a DeepSpeed ZeRO checkpoint directory, whatever the setting, and is split in two so that
+Lightning's restore order works: ``load_checkpoint`` validates every file and the model's compatibility before
+anything changes and returns Lightning's trainer state; the strategy then loads weights and optimizer state from
+:attr:`opened` at the points where Lightning restores the model and the optimizers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
+from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -28,8 +30,11 @@ from zero_strategy.checkpoint.base.format import (
     PARAM_GROUPS_KEY,
     CheckpointError,
 )
+from zero_strategy.checkpoint.base.renamed import RenamedCheckpoint
 from zero_strategy.checkpoint.base.source import ReadableCheckpoint
 from zero_strategy.checkpoint.dcp.paths import is_dcp_directory
+from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
+from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from zero_strategy.checkpoint.sharded.load import check_compatible
 from zero_strategy.checkpoint.sharded.module_snapshot import ModuleSnapshot
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
@@ -38,6 +43,7 @@ from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.lightning.deepspeed_loops import loops_at_global_step
 
 if TYPE_CHECKING:
     from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
@@ -49,7 +55,7 @@ class ShardedCheckpointIO(CheckpointIO):
     def __init__(self) -> None:
         self._engine: ZeroEngine | None = None
         self._precision = "32-true"
-        self.opened: ShardedCheckpoint | DcpCheckpoint | None = None
+        self.opened: ShardedCheckpoint | DcpCheckpoint | DeepSpeedCheckpoint | None = None
         self.param_groups: list[list[dict]] = []
         self.buffers: dict[str, Any] = {}
         self.checkpoint_format = CheckpointFormat.zero  # ZeroStrategy sets its config's
@@ -145,6 +151,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.close()
         if is_dcp_directory(Path(path)) and not (Path(path) / MANIFEST_NAME).is_file():
             state = self._open_dcp(path, weights_only)
+        elif is_deepspeed_directory(Path(path)) and not (Path(path) / MANIFEST_NAME).is_file():
+            state = self._open_deepspeed(path)
         else:
             opened = ShardedCheckpoint(path)
             try:
@@ -179,6 +187,31 @@ class ShardedCheckpointIO(CheckpointIO):
         self.buffers = dcp_buffers(self.module, opened)
         return state
 
+    def _open_deepspeed(self, path: _PATH) -> dict[str, Any]:
+        """A DeepSpeed ZeRO checkpoint (its plain engine layout or Lightning's DeepSpeedStrategy directory)."""
+        from zero_strategy.checkpoint.deepspeed.load import (
+            deepspeed_buffers,
+            deepspeed_trainer_state,
+            loss_scaler_state,
+        )
+        from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
+        from zero_strategy.lightning.precision import ZeroPrecision
+
+        assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
+        opened = open_deepspeed(path)
+        state = deepspeed_trainer_state(opened)
+        trainer = getattr(self.module, "_trainer", None)
+        if "loops" not in state and isinstance(trainer, Trainer):  # a plain engine's: no Lightning state in it
+            state["loops"] = loops_at_global_step(trainer, state["global_step"])
+            state.update({"pytorch-lightning_version": lightning_version, "epoch": 0})
+        scaler = loss_scaler_state(opened)
+        if scaler is not None:  # fp16: where ZeroPrecision.load_state_dict finds it
+            state[ZeroPrecision.__qualname__] = {"loss_scaler": scaler}
+        self.opened = opened
+        self.param_groups = []  # read in check(): matching groups needs the engine's
+        self.buffers = deepspeed_buffers(opened)
+        return state
+
     def optimizer_state_absent(self) -> bool:
         """Whether the opened checkpoint records that it was saved without optimizer state (and why)."""
         if isinstance(self.opened, ShardedCheckpoint):
@@ -194,6 +227,15 @@ class ShardedCheckpointIO(CheckpointIO):
         assert self.opened is not None
         if isinstance(self.opened, ShardedCheckpoint):
             check_compatible(self.engine, view, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
+            return
+        if isinstance(self.opened, DeepSpeedCheckpoint):
+            from zero_strategy.checkpoint.deepspeed.load import check_deepspeed_compatible
+            from zero_strategy.checkpoint.deepspeed.load import param_groups_for as deepspeed_groups
+
+            renamed = view.sources if isinstance(view, RenamedCheckpoint) else None
+            check_deepspeed_compatible(self.engine, self.opened, strict, with_optimizer, renamed)
+            if with_optimizer:
+                self.param_groups = deepspeed_groups(self.engine, self.opened, renamed)
             return
         from zero_strategy.checkpoint.dcp.load import check_dcp_compatible, param_groups_for
 

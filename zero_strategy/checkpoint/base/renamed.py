@@ -26,6 +26,11 @@ class RenamedCheckpoint:
             name: checkpoint.params[source] for name, source in names.items() if source in checkpoint.params
         }
 
+    @property
+    def sources(self) -> dict[str, str]:
+        """Each name read → the checkpoint's name for it."""
+        return dict(self._source)
+
     def __getattr__(self, attribute: str) -> Any:
         """Everything that is not per parameter (the manifest, the trainer state) is the checkpoint's own."""
         return getattr(self._checkpoint, attribute)

@@ -23,10 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
             "torch.distributed.checkpoint (DCP) directory, without gathering: each rank's slices become boxes of "
             "the tensors. Keys: model.<state_dict key> (fp32 masters, buffers), optim.state.<fqn>.<name> and "
             "optim.param_groups (as torch's get_optimizer_state_dict), zero_strategy.trainer_state. FSDP2 loads "
-            "it with dcp.load({'model': ..., 'optim': ...}) at any world size."
+            "it with dcp.load({'model': ..., 'optim': ...}) at any world size. A DeepSpeed ZeRO checkpoint "
+            "directory (stage 1/2/3, its engine, Lightning or universal layout) is accepted too."
         ),
     )
-    parser.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    parser.add_argument(
+        "checkpoint", help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt), or a DeepSpeed one"
+    )
     parser.add_argument(
         "output", help="the DCP directory to write: must not exist, be empty, or be a DCP checkpoint (replaced)"
     )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zero_strategy.checkpoint.base.format import BUFFERS_KEY, PARAM_GROUPS_KEY, FlatEntry, ParamEntry
+from zero_strategy.checkpoint.base.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY, FlatEntry, ParamEntry
 from zero_strategy.checkpoint.dcp.content import (
     INFO,
     MODEL,
@@ -31,8 +31,12 @@ from zero_strategy.checkpoint.dcp.content import (
     rng_record,
     to_bytes,
 )
+from zero_strategy.checkpoint.dcp.from_deepspeed import deepspeed_dcp_content
 from zero_strategy.checkpoint.dcp.planner import ChunkedSavePlanner, ChunkedTensor
 from zero_strategy.checkpoint.dcp.storage import StreamingFileWriter, discard_dcp, plan_dcp_staging, publish_dcp
+from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
+from zero_strategy.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
+from zero_strategy.checkpoint.deepspeed.universal import open_deepspeed
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.shard_content import scalar_value
 
@@ -40,14 +44,20 @@ _CPU = torch.device("cpu")
 
 
 def export_to_dcp(checkpoint: str | os.PathLike, output: str | os.PathLike, weights_only: bool = True) -> Path:
-    """Write the sharded ``checkpoint`` directory as a DCP checkpoint directory at ``output`` and return its path.
+    """Write the sharded ``checkpoint`` directory (or a DeepSpeed ZeRO checkpoint directory) as a DCP checkpoint
+    directory at ``output`` and return its path.
 
     ``output`` must not exist, be an empty directory, or be a DCP checkpoint (replaced atomically). The trainer
     state is unpickled with ``weights_only`` (``False`` only for checkpoints you trust whose hyper-parameters hold
     objects). Raises :class:`CheckpointError` for a damaged checkpoint or an output it must not overwrite."""
     target = Path(output)
-    with ShardedCheckpoint(checkpoint) as ckpt:
-        state_dict = checkpoint_state_dict(ckpt, ckpt.trainer_state(weights_only))
+    source = Path(checkpoint)
+    from_deepspeed = is_deepspeed_directory(source) and not (source / MANIFEST_NAME).is_file()
+    with open_deepspeed(source) if from_deepspeed else ShardedCheckpoint(source) as ckpt:
+        if isinstance(ckpt, DeepSpeedCheckpoint):
+            state_dict = deepspeed_dcp_content(ckpt)
+        else:
+            state_dict = checkpoint_state_dict(ckpt, ckpt.trainer_state(weights_only))
         staging = plan_dcp_staging(target)
         try:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is

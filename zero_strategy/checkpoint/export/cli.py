@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "checkpoint",
-        help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt), or a plain Lightning / torch file",
+        help="the sharded checkpoint directory (e.g. checkpoints/last.ckpt), a DeepSpeed ZeRO checkpoint directory "
+        "(its engine, Lightning DeepSpeedStrategy or universal layout), or a plain Lightning / torch file",
     )
     parser.add_argument(
         "output",

@@ -30,8 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_strategy.checkpoint.base.format import BUFFERS_KEY, PARAM_GROUPS_KEY, CheckpointError, fsync_directory
+from zero_strategy.checkpoint.base.format import (
+    BUFFERS_KEY,
+    MANIFEST_NAME,
+    PARAM_GROUPS_KEY,
+    CheckpointError,
+    fsync_directory,
+)
 from zero_strategy.checkpoint.base.safetensors_io import DTYPE_CODES, READ_CHUNK_BYTES, write_safetensors
+from zero_strategy.checkpoint.deepspeed.export_view import DeepSpeedExportView
+from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
 from zero_strategy.checkpoint.export.plain_file import read_plain_checkpoint
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
@@ -86,7 +94,7 @@ def consolidate(
         state_dict, trainer_state = read_plain_checkpoint(Path(checkpoint), weights_only)
         _write_plain(state_dict, trainer_state, target)
         return target
-    with ShardedCheckpoint(checkpoint) as ckpt:
+    with open_for_export(checkpoint) as ckpt:
         entries = state_dict_entries(ckpt)
         state = TrainerState(ckpt, weights_only)
         bar = progress_bar(entries, progress)
@@ -103,7 +111,18 @@ def consolidate(
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def state_dict_entries(ckpt: ShardedCheckpoint) -> list[StateDictEntry]:
+ExportSource = ShardedCheckpoint | DeepSpeedExportView  # what the exports read a checkpoint directory as
+
+
+def open_for_export(checkpoint: str | os.PathLike) -> ExportSource:
+    """Our sharded checkpoint directory, or a DeepSpeed ZeRO checkpoint directory read the same way."""
+    path = Path(checkpoint)
+    if is_deepspeed_directory(path) and not (path / MANIFEST_NAME).is_file():
+        return DeepSpeedExportView(path)
+    return ShardedCheckpoint(path)
+
+
+def state_dict_entries(ckpt: ExportSource) -> list[StateDictEntry]:
     """The module's state_dict keys in order, each with the checkpoint parameter behind it (tied keys share one)."""
     entries: list[StateDictEntry] = []
     for key, kind, name in ckpt.manifest.state_dict_keys:
@@ -121,7 +140,7 @@ def state_dict_entries(ckpt: ShardedCheckpoint) -> list[StateDictEntry]:
 class TrainerState:
     """The trainer state, loaded on first use (a checkpoint without buffers needs it only for ``.ckpt``)."""
 
-    def __init__(self, ckpt: ShardedCheckpoint, weights_only: bool) -> None:
+    def __init__(self, ckpt: ExportSource, weights_only: bool) -> None:
         self._ckpt = ckpt
         self._weights_only = weights_only
         self._state: dict[str, Any] | None = None
@@ -140,7 +159,7 @@ class TrainerState:
         return buffers[key]
 
 
-def read_param_fp32(ckpt: ShardedCheckpoint, name: str, on_bytes: Callable[[int], object] | None = None) -> Tensor:
+def read_param_fp32(ckpt: ExportSource, name: str, on_bytes: Callable[[int], object] | None = None) -> Tensor:
     """Parameter ``name`` as one new fp32 tensor of its shape, filled chunk by chunk from whichever shards hold it
     (see [Note: streaming consolidation]); ``on_bytes`` is told how many output bytes each chunk produced."""
     param = ckpt.params[name][1]
@@ -155,7 +174,7 @@ def read_param_fp32(ckpt: ShardedCheckpoint, name: str, on_bytes: Callable[[int]
 
 
 def _values(
-    ckpt: ShardedCheckpoint,
+    ckpt: ExportSource,
     entries: list[StateDictEntry],
     state: TrainerState,
     on_bytes: Callable[[int], object],
@@ -177,7 +196,7 @@ def _values(
 
 
 def stream_values(
-    ckpt: ShardedCheckpoint,
+    ckpt: ExportSource,
     entries: list[StateDictEntry],
     state: TrainerState,
     on_bytes: Callable[[int], object],
@@ -193,7 +212,7 @@ def stream_values(
 
 # ------------------------------------------------------------------------------------------------ writing
 def _write_safetensors(
-    ckpt: ShardedCheckpoint,
+    ckpt: ExportSource,
     entries: list[StateDictEntry],
     state: TrainerState,
     target: Path,
@@ -239,7 +258,7 @@ def _write_plain(state_dict: dict[str, Any], trainer_state: dict[str, Any] | Non
     _replace_atomically(target, lambda path: _torch_save_synced(content, path))
 
 
-def _lightning_checkpoint(ckpt: ShardedCheckpoint, state: TrainerState, state_dict: dict[str, Any]) -> dict:
+def _lightning_checkpoint(ckpt: ExportSource, state: TrainerState, state_dict: dict[str, Any]) -> dict:
     """Lightning's trainer state (epoch, global_step, loops, hyper-parameters, ...) with the full state_dict."""
     content = {k: v for k, v in state.get().items() if k not in _LEFT_OUT_OF_CKPT}
     if "pytorch-lightning_version" not in content:  # a checkpoint written by the core API, not by a Trainer

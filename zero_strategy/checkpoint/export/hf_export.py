@@ -38,6 +38,7 @@ from zero_strategy.checkpoint.base.safetensors_io import DTYPE_CODES, write_safe
 from zero_strategy.checkpoint.export.consolidate import (
     StateDictEntry,
     TrainerState,
+    open_for_export,
     progress_bar,
     state_dict_entries,
     stream_values,
@@ -58,7 +59,6 @@ from zero_strategy.checkpoint.export.hf_layout import (
     shard_names,
 )
 from zero_strategy.checkpoint.export.hf_names import Note, fitted_key_map
-from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 __all__ = ["HfExportError", "KeyMap", "consolidate_hf"]  # what a user imports from here
 
@@ -118,7 +118,7 @@ def consolidate_hf(
             f"{checkpoint} is a file; --hf reads a zero_strategy sharded checkpoint directory. For a plain "
             "Lightning / torch checkpoint, load its state_dict into the Hugging Face model and call save_pretrained"
         )
-    with ShardedCheckpoint(checkpoint) as ckpt:
+    with open_for_export(checkpoint) as ckpt:
         state = TrainerState(ckpt, weights_only)
         entries = state_dict_entries(ckpt)
         keys = [entry.key for entry in entries]

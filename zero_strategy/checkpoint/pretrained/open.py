@@ -3,7 +3,8 @@
 ``open_pretrained(PATH)`` accepts a ``.safetensors`` file, a Hugging Face sharded checkpoint (a directory or its
 ``*.index.json``), a directory holding ``model.safetensors`` / ``pytorch_model.bin``, this project's sharded
 checkpoint directory or its consolidated outputs, a ``torch.distributed.checkpoint`` directory (FSDP2,
-torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
+torchtitan, Lightning's sharded checkpoints, ``zero-to-dcp``), a DeepSpeed ZeRO checkpoint directory (any stage;
+checkpoint/deepspeed/), and a plain ``.pt`` / ``.pth`` / ``.bin`` /
 ``.ckpt`` torch file (memory-mapped, ``weights_only=True``); a file of any other name is recognised by its
 content. ``source.read(name, start, count)`` returns elements ``[start, start + count)`` of the tensor's
 row-major flattening, in fp32 unless another dtype is asked for, reading only those elements from disk (see
@@ -28,6 +29,7 @@ from zero_strategy.checkpoint.base.format import MANIFEST_NAME, CheckpointError
 from zero_strategy.checkpoint.base.safetensors_io import READ_CHUNK_BYTES
 from zero_strategy.checkpoint.dcp.paths import METADATA_NAME as DCP_METADATA_NAME
 from zero_strategy.checkpoint.dcp.paths import is_dcp_directory
+from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
 from zero_strategy.checkpoint.pretrained.keys import (
     KeyMap,
     KeyMatch,
@@ -55,7 +57,8 @@ based files, as Hugging Face does)."""
 ACCEPTED = (
     "a .safetensors file; a Hugging Face sharded checkpoint (a directory or its *.index.json); a directory "
     "holding model.safetensors or pytorch_model.bin; a zero_strategy sharded checkpoint directory (manifest.json) "
-    "or a file zero-to-fp32 wrote; a torch.distributed.checkpoint directory (.metadata); a torch state_dict or "
+    "or a file zero-to-fp32 wrote; a torch.distributed.checkpoint directory (.metadata); a DeepSpeed ZeRO "
+    "checkpoint directory (holding its 'latest' file, or a tag directory); a torch state_dict or "
     "Lightning checkpoint (.pt, .pth, .bin, .ckpt, or any name: recognised by content)"
 )
 
@@ -145,6 +148,10 @@ def _open_store(path: Path) -> TensorStore:
     if path.is_dir():
         if (path / MANIFEST_NAME).is_file():
             return ShardedCheckpointStore(path)
+        if is_deepspeed_directory(path):
+            from zero_strategy.checkpoint.pretrained.deepspeed_store import DeepSpeedStore
+
+            return DeepSpeedStore(path)
         if is_dcp_directory(path):
             from zero_strategy.checkpoint.pretrained.dcp_store import (
                 DcpStore,  # torch's DCP modules load only when used
