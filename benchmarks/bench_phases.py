@@ -1,0 +1,194 @@
+"""Where a step's time goes on the Trainer and Fabric paths: exclusive ("self") time per phase, measured by timers
+around named functions of Lightning's loop, the precision plugins and the engine, in one profiled run per method.
+
+[Note: self time per phase]
+Each timed function records its inclusive time minus the inclusive time of the timed functions it called, and books
+the rest under its own label; time outside every timed function (the loop's own lines between the calls) is booked
+under ``OUTSIDE``. So the phases of one step add up to the step, nothing is counted twice, and a phase is the work
+of that function itself (``strategy hook: training_step`` is Lightning's dispatch and the precision plugin's
+context around the user's code, not the forward, which is booked under ``compute: forward``). The profiled run is
+separate from the timed repetitions (a timer costs about a microsecond per call, a few hundred calls per step), and
+its figures are read as a breakdown of one run, not as the step time of the tables.
+
+Lightning's hook calls are timed at its three dispatchers (``trainer/call.py``), labelled by hook name, so every
+hook a step runs is a phase of its own without timing the user's hook methods themselves: wrapping those would make
+Lightning (and ZeRO's gradient-read check, which looks for overridden gradient hooks) see them as overridden.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+OUTSIDE = "loop: outside every timed function"
+ENGINE_AND_COMPUTE = ("compute:", "engine:")  # the phases an engine-level row runs too
+
+
+class PhaseClock:
+    """Self time per label of the functions it wraps, in this (forked, per-run) process; see [Note: self time per
+    phase]."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self._children: list[float] = []  # per open timed call: inclusive time of the timed calls it made
+        self._originals: list[tuple[Any, str, Any]] = []
+        self._started: float | None = None  # perf_counter at start(): time not under any timed call is OUTSIDE
+        self.recording = False
+
+    def wrap(self, owner: Any, name: str, label: str | Callable[..., str]) -> None:
+        """Time ``owner.name`` (a class's method, a module's function) under ``label``, or under ``label(*args)``
+        for a dispatcher whose label depends on its arguments (the hook's name)."""
+        # a class's own attribute (a method it inherits is shadowed on it, and the shadow deleted again)
+        own = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
+        if isinstance(own, (staticmethod, classmethod)):
+            raise TypeError(f"{owner}.{name}: static and class methods are not timed")
+        self._originals.append((owner, name, own))
+        setattr(owner, name, self._timed(getattr(owner, name) if own is None else own, label))
+
+    def _timed(self, original: Callable[..., Any], label: str | Callable[..., str]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.recording:
+                return original(*args, **kwargs)
+            self._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inclusive = time.perf_counter() - start
+                children = self._children.pop()
+                name = label if isinstance(label, str) else label(*args, **kwargs)
+                self.seconds[name] += inclusive - children
+                self.counts[name] += 1
+                if self._children:
+                    self._children[-1] += inclusive
+
+        return timed
+
+    def start(self) -> None:
+        """Record from now on (the timed steps begin)."""
+        self.seconds.clear()
+        self.counts.clear()
+        self.recording = True
+        self._started = time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        """Stop recording; the seconds per label, with the time outside every timed call under ``OUTSIDE``."""
+        assert self._started is not None, "PhaseClock.stop() before start()"
+        self.recording = False
+        total = time.perf_counter() - self._started
+        self.seconds[OUTSIDE] += total - sum(self.seconds.values())
+        return dict(self.seconds)
+
+    def remove(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._originals.clear()
+
+
+def _hook_label(kind: str) -> Callable[..., str]:
+    def label(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> str:
+        return f"{kind} hook: {hook_name}"
+
+    return label
+
+
+def install_lightning_timers(clock: PhaseClock) -> None:
+    """Time the Trainer loop's phases (see the module docstring). Imports happen here: only a Lightning row pays."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.loops.optimization.automatic import Closure, _AutomaticOptimization
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+
+    clock.wrap(call, "_call_callback_hooks", _hook_label("callback"))
+    clock.wrap(call, "_call_lightning_module_hook", _hook_label("LightningModule"))
+    clock.wrap(call, "_call_strategy_hook", _hook_label("strategy"))
+    for name in ("on_batch_start", "on_batch_end", "update_train_step_metrics"):
+        clock.wrap(_LoggerConnector, name, f"logging: _LoggerConnector.{name}")
+    clock.wrap(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "loop: SIGTERM flag broadcast (Lightning, world > 1)")
+    clock.wrap(_TrainingEpochLoop, "update_lr_schedulers", "loop: update_lr_schedulers")
+    clock.wrap(_TrainingEpochLoop, "advance", "loop: _TrainingEpochLoop.advance (own lines)")
+    clock.wrap(_TrainingEpochLoop, "on_advance_end", "loop: _TrainingEpochLoop.on_advance_end")
+    clock.wrap(_AutomaticOptimization, "run", "loop: _AutomaticOptimization.run (own lines)")
+    clock.wrap(Closure, "__call__", "loop: Closure.__call__ (own lines)")
+    clock.wrap(LightningOptimizer, "step", "loop: LightningOptimizer.step (own lines)")
+    clock.wrap(_PrefetchDataFetcher, "__next__", "loop: data fetch")
+
+
+def install_fabric_timers(clock: PhaseClock) -> None:
+    """Time Fabric's wrappers around the user's calls."""
+    from lightning.fabric.fabric import Fabric
+    from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+
+    clock.wrap(Fabric, "backward", "fabric: Fabric.backward (own lines)")
+    clock.wrap(_FabricModule, "forward", "fabric: _FabricModule.forward (own lines)")
+    clock.wrap(_FabricOptimizer, "step", "fabric: _FabricOptimizer.step (own lines)")
+
+
+def install_adapter_timers(clock: PhaseClock) -> None:
+    """Time the ZeRO adapters' precision plugins and the engine's phases (the engine-level rows run these too)."""
+    import torch
+
+    from zero_strategy.core.engine.engine import ZeroEngine
+    from zero_strategy.core.engine.window import StepWindows
+    from zero_strategy.fabric.precision import ZeroFabricPrecision
+    from zero_strategy.lightning.precision import ZeroPrecision
+
+    clock.wrap(torch.Tensor, "backward", "compute: backward (autograd, with ZeRO's backward hooks)")
+    clock.wrap(ZeroPrecision, "optimizer_step", "ZeroPrecision.optimizer_step (own lines)")
+    clock.wrap(ZeroPrecision, "pre_backward", "ZeroPrecision.pre_backward (own lines, on_before_backward)")
+    clock.wrap(ZeroPrecision, "post_backward", "ZeroPrecision.post_backward (own lines, on_after_backward)")
+    clock.wrap(ZeroPrecision, "_watching_grad_reads", "gradient-read check: ZeroPrecision._watching_grad_reads")
+    clock.wrap(ZeroPrecision, "_after_closure", "ZeroPrecision._after_closure (on_before_optimizer_step, clipping)")
+    clock.wrap(ZeroFabricPrecision, "optimizer_step", "ZeroFabricPrecision.optimizer_step (own lines)")
+    clock.wrap(ZeroFabricPrecision, "backward", "ZeroFabricPrecision.backward (own lines)")
+    clock.wrap(ZeroEngine, "_before_root_forward", "engine: buffer broadcast check before the root forward")
+    clock.wrap(StepWindows, "enter", "engine: step window entry (agree on used, reduce)")
+    clock.wrap(StepWindows, "step", "engine: optimizer step on the slices")
+    clock.wrap(StepWindows, "publish", "engine: publish (gather / barriers)")
+    clock.wrap(StepWindows, "on_zero_grad", "engine: zero_grad")
+
+
+def merge_phases(runs: Sequence[dict[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each phase: the median over the ranks' profiled runs."""
+    labels = {label for run in runs for label in run}
+    return {label: statistics.median(run.get(label, 0.0) for run in runs) * 1e3 / steps for label in labels}
+
+
+def breakdown_table(phases: dict[str, dict[str, float]], engine_ms: dict[str, float]) -> list[str]:
+    """Markdown lines: one column per profiled method, one row per phase (ms per step, self time), largest first;
+    then each method's profiled total and, where the same run measured the engine-level row of its stage, the
+    engine's median step and the difference."""
+    if not phases:
+        return []
+    methods = list(phases)
+    labels = sorted({label for table in phases.values() for label in table},
+                    key=lambda label: -max(table.get(label, 0.0) for table in phases.values()))
+    lines = [
+        "Where each step's time goes (one profiled run per method after the timed ones, self time per phase in ms "
+        "per step, median over the ranks; see [Note: self time per phase] in benchmarks/bench_phases.py):",
+        "",
+        "| phase | " + " | ".join(methods) + " |",
+        "|" + "---|" * (len(methods) + 1),
+    ]
+    for label in labels:
+        cells = [f"{phases[m].get(label, 0.0):.2f}" if label in phases[m] else "—" for m in methods]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    beyond = [sum(ms for label, ms in phases[m].items() if not label.startswith(ENGINE_AND_COMPUTE)) for m in methods]
+    lines.append("| **beyond compute and engine (every phase but `compute:` and `engine:`)** | "
+                 + " | ".join(f"**{ms:.2f}**" for ms in beyond) + " |")
+    totals = [sum(phases[m].values()) for m in methods]
+    lines.append("| **profiled step (sum of the phases)** | " + " | ".join(f"**{t:.2f}**" for t in totals) + " |")
+    engine_cells = [f"{engine_ms[m]:.2f}" if m in engine_ms else "—" for m in methods]
+    lines.append("| engine-level row of the same stage, median step (timed reps) | " + " | ".join(engine_cells) + " |")
+    return lines
