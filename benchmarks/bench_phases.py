@@ -141,6 +141,8 @@ def install_adapter_timers(clock: PhaseClock) -> None:
 
     from zero_strategy.core.engine.engine import ZeroEngine
     from zero_strategy.core.engine.window import StepWindows
+    from zero_strategy.core.runtime.backward_reductions import BackwardReductions
+    from zero_strategy.core.runtime.hooks import RuntimeHooks
     from zero_strategy.fabric.precision import ZeroFabricPrecision
     from zero_strategy.lightning.precision import ZeroPrecision
 
@@ -153,6 +155,12 @@ def install_adapter_timers(clock: PhaseClock) -> None:
     clock.wrap(ZeroFabricPrecision, "optimizer_step", "ZeroFabricPrecision.optimizer_step (own lines)")
     clock.wrap(ZeroFabricPrecision, "backward", "ZeroFabricPrecision.backward (own lines)")
     clock.wrap(ZeroEngine, "_before_root_forward", "engine: buffer broadcast check before the root forward")
+    # the unit hooks: bound when the engine installs them, which is after these timers are (rank_worker)
+    for name in ("_pre_root_forward", "_post_root_forward", "_pre_forward", "_post_forward"):
+        clock.wrap(RuntimeHooks, name, "engine: forward hooks (gather, free)")
+    for name in ("_pre_backward", "_end_of_backward"):
+        clock.wrap(RuntimeHooks, name, "engine: backward hooks (gather, end of backward)")
+    clock.wrap(BackwardReductions, "_on_grad_ready", "engine: gradient-ready hooks (reduce-scatter)")
     clock.wrap(StepWindows, "enter", "engine: step window entry (agree on used, reduce)")
     clock.wrap(StepWindows, "step", "engine: optimizer step on the slices")
     clock.wrap(StepWindows, "publish", "engine: publish (gather / barriers)")
