@@ -18,6 +18,7 @@ Lightning (and ZeRO's gradient-read check, which looks for overridden gradient h
 from __future__ import annotations
 
 import functools
+import importlib
 import statistics
 import time
 from collections import defaultdict
@@ -147,6 +148,7 @@ def install_adapter_timers(clock: PhaseClock) -> None:
     from zero_strategy.lightning.precision import ZeroPrecision
 
     clock.wrap(torch.Tensor, "backward", "compute: backward (autograd, with ZeRO's backward hooks)")
+    clock.wrap(torch.optim.AdamW, "step", "compute: AdamW.step (torch; ZeRO's fused step on its slices too)")
     clock.wrap(ZeroPrecision, "optimizer_step", "ZeroPrecision.optimizer_step (own lines)")
     clock.wrap(ZeroPrecision, "pre_backward", "ZeroPrecision.pre_backward (own lines, on_before_backward)")
     clock.wrap(ZeroPrecision, "post_backward", "ZeroPrecision.post_backward (own lines, on_after_backward)")
@@ -154,7 +156,10 @@ def install_adapter_timers(clock: PhaseClock) -> None:
     clock.wrap(ZeroPrecision, "_after_closure", "ZeroPrecision._after_closure (on_before_optimizer_step, clipping)")
     clock.wrap(ZeroFabricPrecision, "optimizer_step", "ZeroFabricPrecision.optimizer_step (own lines)")
     clock.wrap(ZeroFabricPrecision, "backward", "ZeroFabricPrecision.backward (own lines)")
-    clock.wrap(ZeroEngine, "_before_root_forward", "engine: buffer broadcast check before the root forward")
+    clock.wrap(ZeroEngine, "_before_root_forward", "engine: before the root forward (buffer broadcast, own lines)")
+    # the bookkeeping behind DDP's semantics for reads of p.grad (issue 34), where the engine has it
+    wrap_if_present(clock, "zero_strategy.core.engine.ddp_gradients", "DdpGradients",
+                    ("before_forward", "after_backward", "gather_now"), "engine: p.grad reads as under DDP")
     # the unit hooks: bound when the engine installs them, which is after these timers are (rank_worker)
     for name in ("_pre_root_forward", "_post_root_forward", "_pre_forward", "_post_forward"):
         clock.wrap(RuntimeHooks, name, "engine: forward hooks (gather, free)")
@@ -165,6 +170,18 @@ def install_adapter_timers(clock: PhaseClock) -> None:
     clock.wrap(StepWindows, "step", "engine: optimizer step on the slices")
     clock.wrap(StepWindows, "publish", "engine: publish (gather / barriers)")
     clock.wrap(StepWindows, "on_zero_grad", "engine: zero_grad")
+
+
+def wrap_if_present(clock: PhaseClock, module_name: str, class_name: str, names: Sequence[str], label: str) -> None:
+    """Time ``names`` of ``module_name.class_name`` where this version of the package has them (a benchmark of an
+    older checkout still runs)."""
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        return
+    for name in names:
+        if hasattr(owner, name):
+            clock.wrap(owner, name, label)
 
 
 def merge_phases(runs: Sequence[dict[str, float]], steps: int) -> dict[str, float]:
