@@ -493,7 +493,7 @@ def parse_args(argv: list[str]) -> BenchOptions:
     )
     args = vars(parser.parse_args(argv))  # the flags are BenchOptions' fields, but --quick
     if args.pop("quick"):
-        given = set(argv)
+        given = {arg.split("=")[0] for arg in argv}  # "--reps 4" and "--reps=4" alike
         args["methods"] = args["methods"] if "--methods" in given else ",".join(QUICK_METHODS)
         args["reps"] = args["reps"] if "--reps" in given else 2
         args["steps"] = args["steps"] if "--steps" in given else 3

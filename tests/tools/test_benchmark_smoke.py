@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers.bench_report import table_rows
 
-from benchmarks.benchmark import main
+from benchmarks.benchmark import QUICK_METHODS, main, parse_args
 
 
 def _mib(cell: str) -> float:
@@ -65,3 +65,12 @@ def test_tiny_benchmark_runs_the_trainer_and_fabric_paths_beside_the_engine(caps
     assert all(cell != "—" for cell in phases["compute: backward (autograd, with ZeRO's backward hooks)"][1:])
     # the engine's phases in every ZeRO column; Lightning's DDP has no ZeRO engine
     assert [cell != "—" for cell in phases["engine: publish (gather / barriers)"][1:]] == [True, False, True, True]
+
+
+def test_quick_picks_the_headline_rows_unless_told_otherwise() -> None:
+    quick = parse_args(["--quick"])
+    assert quick.methods == QUICK_METHODS and (quick.reps, quick.steps) == (2, 3)
+    assert {"trainer_ddp", "trainer_zero1", "fabric_zero3", "zero2"} <= set(quick.methods)
+    told = parse_args(["--quick", "--reps=4", "--methods", "zero1,trainer_zero1"])
+    assert told.methods == ["zero1", "trainer_zero1"] and (told.reps, told.steps) == (4, 3)
+    assert parse_args([]).reps == 3 and "fabric_zero2" in parse_args([]).methods
