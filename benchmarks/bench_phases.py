@@ -23,6 +23,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 OUTSIDE = "loop: outside every timed function"
@@ -34,11 +35,13 @@ class PhaseClock:
     phase]."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)  # wall-clock self time
+        self.cpu_seconds: dict[str, float] = defaultdict(float)  # this thread's CPU self time
         self.counts: dict[str, int] = defaultdict(int)
-        self._children: list[float] = []  # per open timed call: inclusive time of the timed calls it made
+        # per open timed call: the (wall, CPU) inclusive time of the timed calls it made
+        self._children: list[list[float]] = []
         self._originals: list[tuple[Any, str, Any]] = []
-        self._started: float | None = None  # perf_counter at start(): time not under any timed call is OUTSIDE
+        self._started: tuple[float, float] | None = None  # both clocks at start(): the rest is OUTSIDE
         self.recording = False
 
     def wrap(self, owner: Any, name: str, label: str | Callable[..., str]) -> None:
@@ -56,35 +59,40 @@ class PhaseClock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.recording:
                 return original(*args, **kwargs)
-            self._children.append(0.0)
-            start = time.perf_counter()
+            self._children.append([0.0, 0.0])
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                inclusive = time.perf_counter() - start
-                children = self._children.pop()
+                inclusive, inclusive_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                children, children_cpu = self._children.pop()
                 name = label if isinstance(label, str) else label(*args, **kwargs)
                 self.seconds[name] += inclusive - children
+                self.cpu_seconds[name] += inclusive_cpu - children_cpu
                 self.counts[name] += 1
                 if self._children:
-                    self._children[-1] += inclusive
+                    self._children[-1][0] += inclusive
+                    self._children[-1][1] += inclusive_cpu
 
         return timed
 
     def start(self) -> None:
         """Record from now on (the timed steps begin)."""
         self.seconds.clear()
+        self.cpu_seconds.clear()
         self.counts.clear()
         self.recording = True
-        self._started = time.perf_counter()
+        self._started = (time.perf_counter(), time.thread_time())
 
-    def stop(self) -> dict[str, float]:
-        """Stop recording; the seconds per label, with the time outside every timed call under ``OUTSIDE``."""
+    def stop(self) -> dict[str, dict[str, float]]:
+        """Stop recording; the wall and CPU seconds per label, with the time outside every timed call under
+        ``OUTSIDE``: ``{"wall": {label: s}, "cpu": {label: s}}``."""
         assert self._started is not None, "PhaseClock.stop() before start()"
         self.recording = False
-        total = time.perf_counter() - self._started
+        total, total_cpu = time.perf_counter() - self._started[0], time.thread_time() - self._started[1]
         self.seconds[OUTSIDE] += total - sum(self.seconds.values())
-        return dict(self.seconds)
+        self.cpu_seconds[OUTSIDE] += total_cpu - sum(self.cpu_seconds.values())
+        return {"wall": dict(self.seconds), "cpu": dict(self.cpu_seconds)}
 
     def remove(self) -> None:
         for owner, name, original in reversed(self._originals):
@@ -185,35 +193,60 @@ def wrap_if_present(clock: PhaseClock, module_name: str, class_name: str, names:
 
 
 def merge_phases(runs: Sequence[dict[str, float]], steps: int) -> dict[str, float]:
-    """Milliseconds per step of each phase: the median over the ranks' profiled runs."""
+    """Milliseconds per step of each phase: the median over the ranks' profiled runs (one clock's)."""
     labels = {label for run in runs for label in run}
     return {label: statistics.median(run.get(label, 0.0) for run in runs) * 1e3 / steps for label in labels}
 
 
-def breakdown_table(phases: dict[str, dict[str, float]], engine_ms: dict[str, float]) -> list[str]:
-    """Markdown lines: one column per profiled method, one row per phase (ms per step, self time), largest first;
-    then each method's profiled total and, where the same run measured the engine-level row of its stage, the
-    engine's median step and the difference."""
+@dataclass(slots=True)
+class Phases:
+    """One method's breakdown: milliseconds per step by phase, wall clock and this rank's CPU."""
+
+    wall: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+def merge_runs(runs: Sequence[dict[str, dict[str, float]]], steps: int) -> Phases:
+    """The ranks' ``PhaseClock.stop()`` results as one :class:`Phases` (medians over the ranks)."""
+    return Phases(merge_phases([run["wall"] for run in runs], steps), merge_phases([run["cpu"] for run in runs], steps))
+
+
+def _cell(phases: Phases, label: str) -> str:
+    if label not in phases.wall:
+        return "—"
+    return f"{phases.wall[label]:.2f} ({phases.cpu.get(label, 0.0):.2f})"
+
+
+def _sum_cell(phases: Phases, keep: Callable[[str], bool]) -> str:
+    wall = sum(ms for label, ms in phases.wall.items() if keep(label))
+    cpu = sum(ms for label, ms in phases.cpu.items() if keep(label))
+    return f"**{wall:.2f} ({cpu:.2f})**"
+
+
+def breakdown_table(phases: dict[str, Phases], engine_ms: dict[str, float]) -> list[str]:
+    """Markdown lines: one column per profiled method, one row per phase (ms per step of self time, wall clock and
+    in parentheses CPU), largest first; then the work beyond compute and engine, each method's profiled total and,
+    where the same run timed it, the engine-level row's median step."""
     if not phases:
         return []
     methods = list(phases)
-    labels = sorted({label for table in phases.values() for label in table},
-                    key=lambda label: -max(table.get(label, 0.0) for table in phases.values()))
+    labels = sorted({label for table in phases.values() for label in table.wall},
+                    key=lambda label: -max(table.wall.get(label, 0.0) for table in phases.values()))
     lines = [
-        "Where each step's time goes (one profiled run per method after the timed ones, self time per phase in ms "
-        "per step, median over the ranks; see [Note: self time per phase] in benchmarks/bench_phases.py):",
+        "Where each step's time goes (one profiled run per method after the timed ones; self time per phase in ms "
+        "per step, wall clock and, in parentheses, the rank's CPU time, which a loaded machine inflates less; median "
+        "over the ranks; see [Note: self time per phase] in benchmarks/bench_phases.py):",
         "",
         "| phase | " + " | ".join(methods) + " |",
         "|" + "---|" * (len(methods) + 1),
     ]
     for label in labels:
-        cells = [f"{phases[m].get(label, 0.0):.2f}" if label in phases[m] else "—" for m in methods]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    beyond = [sum(ms for label, ms in phases[m].items() if not label.startswith(ENGINE_AND_COMPUTE)) for m in methods]
+        lines.append(f"| {label} | " + " | ".join(_cell(phases[m], label) for m in methods) + " |")
+    beyond = [_sum_cell(phases[m], lambda label: not label.startswith(ENGINE_AND_COMPUTE)) for m in methods]
     lines.append("| **beyond compute and engine (every phase but `compute:` and `engine:`)** | "
-                 + " | ".join(f"**{ms:.2f}**" for ms in beyond) + " |")
-    totals = [sum(phases[m].values()) for m in methods]
-    lines.append("| **profiled step (sum of the phases)** | " + " | ".join(f"**{t:.2f}**" for t in totals) + " |")
+                 + " | ".join(beyond) + " |")
+    totals = [_sum_cell(phases[m], lambda label: True) for m in methods]
+    lines.append("| **profiled step (sum of the phases)** | " + " | ".join(totals) + " |")
     engine_cells = [f"{engine_ms[m]:.2f}" if m in engine_ms else "—" for m in methods]
     lines.append("| engine-level row of the same stage, median step (timed reps) | " + " | ".join(engine_cells) + " |")
     return lines

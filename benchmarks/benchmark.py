@@ -45,11 +45,12 @@ from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank
 from benchmarks.bench_paths import engine_twin, paths_table
 from benchmarks.bench_phases import (
     PhaseClock,
+    Phases,
     breakdown_table,
     install_adapter_timers,
     install_fabric_timers,
     install_lightning_timers,
-    merge_phases,
+    merge_runs,
 )
 from benchmarks.bench_spread import repetition_table
 from zero_strategy.core.engine.memory import memory_report
@@ -289,7 +290,7 @@ class MethodResult:
     peak_rss: int = 0  # largest over ranks and repetitions
     losses: list[float] = field(default_factory=list)  # rank 0, first repetition
     dynamo: dict[str, int] = field(default_factory=dict)  # compiled methods: rank 0's dynamo counts, last repetition
-    phases: dict[str, float] = field(default_factory=dict)  # the profiled run's ms per step by phase (bench_phases)
+    phases: Phases | None = None  # the profiled run's ms per step by phase (bench_phases)
 
 
 def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> None:
@@ -348,8 +349,9 @@ def _profile(options: BenchOptions, results: list[MethodResult]) -> None:
         except Exception as error:  # the breakdown lacks this column; the timed rows stand
             print(f"[profile] {result.method}: failed: {_failure_reason(error)}", file=sys.stderr, flush=True)
             continue
-        result.phases = merge_phases([r["phases"] for r in ranks], ranks[0]["phase_steps"])
-        print(f"[profile] {result.method}: {sum(result.phases.values()):.1f} ms/step", file=sys.stderr, flush=True)
+        result.phases = merge_runs([r["phases"] for r in ranks], ranks[0]["phase_steps"])
+        total = sum(result.phases.wall.values())
+        print(f"[profile] {result.method}: {total:.1f} ms/step", file=sys.stderr, flush=True)
 
 
 def _mib(nbytes: float) -> str:
@@ -457,9 +459,9 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         *paths_table(results, options.steps),
         "",
         *breakdown_table(
-            {r.method: r.phases for r in results if r.phases},
+            {r.method: r.phases for r in results if r.phases is not None},
             {r.method: statistics.median(by_name[twin].step_times) * 1e3 for r in results
-             if (twin := engine_twin(r.method) or r.method) in by_name and r.phases},
+             if (twin := engine_twin(r.method) or r.method) in by_name and r.phases is not None},
         ),
         "",
         *_details(results, psi),
