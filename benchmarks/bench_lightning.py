@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from typing_extensions import override
 
 from benchmarks import bench_model
 from benchmarks.bench_counter import LEARNING_RATE, CollectiveCounter, MethodRun, counting_allreduce_hook
@@ -45,9 +46,11 @@ class BenchModule(pl.LightningModule):
         super().__init__()
         self.model = build_model(shape)
 
+    @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         return bench_model.lm_loss(self.model, batch)  # through the module: the phase timers wrap it there
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE)
 
@@ -55,6 +58,7 @@ class BenchModule(pl.LightningModule):
 class FullyShardedBenchModule(BenchModule):
     """For ``ModelParallelStrategy``: FSDP2 on each block and on the root, the engine-level ``fsdp2`` rows' units."""
 
+    @override
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
@@ -77,9 +81,11 @@ class StepClock(Callback):
         self.losses: list[float] = []
         self._last: float | None = None
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.at_train_start(trainer)
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         now = time.perf_counter()
@@ -93,6 +99,7 @@ class StepClock(Callback):
             dist.barrier()
         self._last = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if batch_idx < self.warmup + self.steps:
