@@ -160,7 +160,10 @@ def install_adapter_timers(clock: PhaseClock) -> None:
     clock.wrap(ZeroPrecision, "optimizer_step", "ZeroPrecision.optimizer_step (own lines)")
     clock.wrap(ZeroPrecision, "pre_backward", "ZeroPrecision.pre_backward (own lines, on_before_backward)")
     clock.wrap(ZeroPrecision, "post_backward", "ZeroPrecision.post_backward (own lines, on_after_backward)")
-    clock.wrap(ZeroPrecision, "_watching_grad_reads", "gradient-read check: ZeroPrecision._watching_grad_reads")
+    # the gradient-read check before Lightning's gradient hooks: its name before and after issue 34
+    for name in ("_watching_grad_reads", "_gather_for_gradient_hooks"):
+        if hasattr(ZeroPrecision, name):
+            clock.wrap(ZeroPrecision, name, f"gradient-read check: ZeroPrecision.{name}")
     clock.wrap(ZeroPrecision, "_after_closure", "ZeroPrecision._after_closure (on_before_optimizer_step, clipping)")
     clock.wrap(ZeroFabricPrecision, "optimizer_step", "ZeroFabricPrecision.optimizer_step (own lines)")
     clock.wrap(ZeroFabricPrecision, "backward", "ZeroFabricPrecision.backward (own lines)")
