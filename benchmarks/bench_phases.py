@@ -7,8 +7,12 @@ the rest under its own label; time outside every timed function (the loop's own 
 under ``OUTSIDE``. So the phases of one step add up to the step, nothing is counted twice, and a phase is the work
 of that function itself (``strategy hook: training_step`` is Lightning's dispatch and the precision plugin's
 context around the user's code, not the forward, which is booked under ``compute: forward``). The profiled run is
-separate from the timed repetitions (a timer costs about a microsecond per call, a few hundred calls per step), and
-its figures are read as a breakdown of one run, not as the step time of the tables.
+separate from the timed repetitions (a timer costs a few microseconds per call, a few hundred calls per step), and
+its figures are read as a breakdown of one run, not as the step time of the tables. A timer's own cost lands in
+its caller's self time, so a phase that makes many timed calls (a dispatcher, a loop's own lines) reads a few
+microseconds per call high. Each phase is read on two clocks: the wall clock, and the rank's CPU time
+(``time.thread_time``), which a loaded machine inflates far less (a rank waiting in a collective for its peer, or
+descheduled, uses no CPU).
 
 Lightning's hook calls are timed at its three dispatchers (``trainer/call.py``), labelled by hook name, so every
 hook a step runs is a phase of its own without timing the user's hook methods themselves: wrapping those would make
