@@ -2,7 +2,10 @@
 
 One GPT-style model (:mod:`benchmarks.bench_model`) is trained on the same random tokens by every method
 on ``--world-size`` CPU ranks (gloo, one intra-op thread per rank). ZeRO runs at core level (``ZeroEngine``, no
-Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone.
+Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone; the
+``trainer_*`` and ``fabric_*`` rows run the same model through Lightning's Trainer and Fabric, as users do
+(:mod:`benchmarks.bench_lightning`), and a profiled run per method breaks their steps down
+(:mod:`benchmarks.bench_phases`).
 
 [Note: what is measured, and how]  (the printed ``MEASUREMENT_NOTES`` give the definitions)
 - ``for rep: for method:``, each run in fresh forked processes: the machine's speed drifts between repetitions
@@ -412,8 +415,10 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
 
 MEASUREMENT_NOTES = """\
 How to read it: step time = slowest rank per step, median over every timed step of every repetition, without the
-memory walk. single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch
-as a single process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
+memory walk (trainer_*: from one on_train_batch_start to the next, the whole iteration of Lightning's loop; their
+model state is walked after the last timed step, when stage 1 has dropped its full gradient).
+single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch as a single
+process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
 shares the machine's cores and memory bandwidth as the other rows' ranks do. Time above floor = a method's median
 minus the floor's, and its share of the method's step (what distribution adds: unhidden communication, sharding
 bookkeeping, a slower optimizer loop; a sharded optimizer steps 1/N of the model, so a little can come back as
