@@ -103,7 +103,9 @@ class MethodRun:
     step: Callable[[], object]  # everything after backward: the optimizer step and the method's communication
     state_optimizer: Optimizer  # whose .state holds the optimizer state (ZeroRedundancyOptimizer: its local one)
     engine: ZeroEngine | None = None
-    backward: Callable[[Tensor], object] = Tensor.backward  # DeepSpeed: its engine's backward
+    # DeepSpeed: its engine's backward. The default looks `backward` up at call time, where the phase timers of a
+    # profiled run (benchmarks/bench_phases.py) find it.
+    backward: Callable[[Tensor], object] = lambda loss: loss.backward()
     # (parameters, gradients, optimizer state) bytes, for a method that keeps its model state in buffers that the
     # generic walk of parameters, `.grad` and `state_optimizer.state` cannot see (DeepSpeed's flat partitions).
     state_walk: Callable[[], tuple[int, int, int]] | None = None

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from benchmarks.bench_methods import FLOOR
 
-REFERENCES = (FLOOR, "ddp")
+REFERENCES = (FLOOR, "ddp", "trainer_ddp")
 
 
 class TimedResult(Protocol):

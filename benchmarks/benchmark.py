@@ -2,7 +2,10 @@
 
 One GPT-style model (:mod:`benchmarks.bench_model`) is trained on the same random tokens by every method
 on ``--world-size`` CPU ranks (gloo, one intra-op thread per rank). ZeRO runs at core level (``ZeroEngine``, no
-Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone.
+Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is of the sharding alone; the
+``trainer_*`` and ``fabric_*`` rows run the same model through Lightning's Trainer and Fabric, as users do
+(:mod:`benchmarks.bench_lightning`), and a profiled run per method breaks their steps down
+(:mod:`benchmarks.bench_phases`).
 
 [Note: what is measured, and how]  (the printed ``MEASUREMENT_NOTES`` give the definitions)
 - ``for rep: for method:``, each run in fresh forked processes: the machine's speed drifts between repetitions
@@ -16,29 +19,61 @@ Lightning), so the comparison with DDP, ``ZeroRedundancyOptimizer`` and FSDP2 is
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from benchmarks import bench_model
 from benchmarks.bench_compile import compile_table, dynamo_counts
 from benchmarks.bench_counter import CollectiveCounter, MethodRun
+from benchmarks.bench_lightning import (
+    FABRIC_STRATEGIES,
+    TRAINER_STRATEGIES,
+    as_launched_rank,
+    build_fabric,
+    is_lightning_method,
+    run_trainer,
+)
 from benchmarks.bench_methods import BUILDERS, FLOOR, OPT_IN_METHODS
 from benchmarks.bench_model import PRESETS, BenchGPT, build_model, lm_loss, rank_batches, warm_up_kernels
+from benchmarks.bench_paths import engine_twin, paths_table
+from benchmarks.bench_phases import (
+    PhaseClock,
+    Phases,
+    breakdown_table,
+    install_adapter_timers,
+    install_fabric_timers,
+    install_lightning_timers,
+    merge_runs,
+)
 from benchmarks.bench_spread import repetition_table
 from zero_strategy.core.engine.memory import memory_report
 from zero_strategy.core.flat.access import own_grad
 from zero_strategy.process_memory import reset_peak, status_bytes
 from zero_strategy.testing import run_ranks
 
-DEFAULT_METHODS = list(BUILDERS)
-METHODS = [*BUILDERS, *OPT_IN_METHODS]
+FABRIC_BUILDERS: dict[str, Callable[[nn.Module, CollectiveCounter], MethodRun]] = {
+    method: functools.partial(build_fabric, method) for method in FABRIC_STRATEGIES
+}
+DEFAULT_METHODS = [*BUILDERS, *TRAINER_STRATEGIES, *FABRIC_BUILDERS]
+# profiled for the breakdown (when in the run): ZeRO's stages at engine level, under the Trainer and under Fabric, and
+# Lightning's DDP
+BREAKDOWN_METHODS = (
+    "trainer_ddp", *(f"{path}zero{stage}" for stage in (1, 2, 3) for path in ("", "trainer_", "fabric_"))
+)
+# --quick: the rows the README's headline table compares, fewer steps and repetitions
+QUICK_METHODS = ["single_process", "ddp", "zero1", "zero2", "zero3", "trainer_ddp", "trainer_fsdp2",
+                 *(f"{path}zero{stage}" for path in ("trainer_", "fabric_") for stage in (1, 2, 3))]
+METHODS = [*DEFAULT_METHODS, *OPT_IN_METHODS]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,6 +96,8 @@ class BenchOptions:
     """Sequences per rank per step; None: the preset's."""
     seq: int | None = None
     """Tokens per sequence; None: the preset's."""
+    breakdown: bool = True
+    """After the timed repetitions, one profiled run of each method in ``BREAKDOWN_METHODS`` (the per-phase table)."""
 
     def __post_init__(self) -> None:
         if self.params not in PRESETS:
@@ -86,6 +123,7 @@ class BenchOptions:
 
 def theory_state_bytes(method: str, psi: int, world: int) -> float:
     """fp32 parameters (4Ψ), gradients (4Ψ), AdamW moments (8Ψ): which of them each method divides by N."""
+    method = method.removeprefix("trainer_").removeprefix("fabric_")  # the same model state under Lightning
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     method = method.split("_compile")[0]  # compiling changes no byte of the model state
     method = method.removesuffix("_point_to_point")  # nor how the bytes travel
@@ -101,12 +139,13 @@ def theory_state_bytes(method: str, psi: int, world: int) -> float:
 def theory_comm_bytes(method: str, psi: int) -> int:
     """All-reduce (2Ψ) or reduce-scatter + all-gather (2Ψ); a second all-gather before backward (3Ψ); torch's
     ZeroRedundancyOptimizer all-reduces (2Ψ) and then broadcasts each rank's updated partition (Ψ)."""
+    method = method.removeprefix("trainer_").removeprefix("fabric_")  # the same model state under Lightning
     method = method.removeprefix("deepspeed_")  # DeepSpeed's stages against the same theory as ours
     method = method.split("_compile")[0]  # nor what is sent
     method = method.removesuffix("_point_to_point")  # nor how
     if method == FLOOR:
         return 0
-    three = method in ("zero3", "zero3_block_units", "zero_redundancy", "fsdp2_reshard_true")
+    three = method in ("zero3", "zero3_block_units", "zero_redundancy", "fsdp2_reshard_true", "fsdp2", "fsdp")
     return (3 if three else 2) * psi * 4  # fp32
 
 
@@ -146,7 +185,19 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
         return param_bytes, grad_bytes, _distinct_bytes(states, seen)
 
 
-def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: CollectiveCounter) -> dict[str, Any]:
+def _walk_memory(run: MethodRun) -> dict[str, Any]:
+    """The model-state walk, and the engine's own memory report to compare it with."""
+    memory: dict[str, Any] = {"walk": walk_model_state(run)}
+    if run.engine is not None:
+        report = memory_report(run.engine)
+        memory["report"] = (report.parameters, report.gradients, report.optimizer_state)
+    return memory
+
+
+def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: CollectiveCounter,
+           clock: PhaseClock | None = None) -> dict[str, Any]:
+    """``clock``: a profiled run's phase timers, started at the first timed step and stopped at the start of the last
+    (whose memory walk they must not see)."""
     times: list[float] = []
     losses: list[float] = []
     memory: dict[str, Any] = {}
@@ -158,16 +209,18 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
             counter.bytes_by_kind.clear()
             if run.engine is not None:
                 run.engine.comm_log.reset()
+            if clock is not None:
+                clock.start()
+        if index == len(batches) - 1 and clock is not None:
+            memory["phases"] = clock.stop()
+            memory["phase_steps"] = len(batches) - 1 - warmup
         start = time.perf_counter()
         run.optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(run.forward_module, tokens)
         run.backward(loss)
         backward_done = time.perf_counter()
         if index == len(batches) - 1:  # see [Note: what is measured, and how]
-            memory["walk"] = walk_model_state(run)
-            if run.engine is not None:
-                report = memory_report(run.engine)
-                memory["report"] = (report.parameters, report.gradients, report.optimizer_state)
+            memory.update(_walk_memory(run))
             dist.barrier()  # a slower walk on one rank must not show up as the other rank's step time
         step_start = time.perf_counter()
         run.step()
@@ -179,26 +232,51 @@ def _train(run: MethodRun, batches: list[Tensor], warmup: int, counter: Collecti
     return {"times": times, "losses": losses, "dynamo": dynamo, **memory}
 
 
-def rank_worker(rank: int, world_size: int, method: str, options: BenchOptions) -> dict[str, Any]:
-    """One method on one rank of a fresh process group (run by ``run_ranks``, which sets one thread per rank)."""
+def rank_worker(
+    rank: int, world_size: int, method: str, options: BenchOptions, profile: bool = False
+) -> dict[str, Any]:
+    """One method on one rank of a fresh process group (run by ``run_ranks``, which sets one thread per rank).
+    ``profile``: time the phases of each step instead (see benchmarks/bench_phases.py); the result's "phases"."""
     torch.set_num_threads(1)
     shape = PRESETS[options.params]
     assert options.batch is not None and options.seq is not None
-    batches = rank_batches(shape, options.warmup + options.steps, options.batch, options.seq, rank, world_size)
+    # a Trainer row runs one untimed step more: see [Note: what a Trainer row times] in bench_lightning.py
+    extra = 1 if method in TRAINER_STRATEGIES else 0
+    batches = rank_batches(shape, options.warmup + options.steps + extra, options.batch, options.seq, rank, world_size)
+    if is_lightning_method(method):
+        as_launched_rank(rank, world_size)
     warm_up_kernels()
+    clock = PhaseClock() if profile else None
+    if clock is not None:
+        install_phase_timers(clock)
     baseline = reset_peak()
     counter = CollectiveCounter()
     counter.install()
     try:
-        run = {**BUILDERS, **OPT_IN_METHODS}[method](build_model(shape), counter)
-        result = _train(run, batches, options.warmup, counter)
-        result["counted"] = dict(counter.bytes_by_kind)
-        if run.engine is not None:
-            result["engine_log"] = run.engine.comm_log.snapshot()
+        if method in TRAINER_STRATEGIES:
+            result = run_trainer(method, shape, batches, options.warmup, counter, clock, _walk_memory)
+        else:
+            run = {**BUILDERS, **OPT_IN_METHODS, **FABRIC_BUILDERS}[method](build_model(shape), counter)
+            result = _train(run, batches, options.warmup, counter, clock)
+            if run.engine is not None:
+                result["engine_log"] = run.engine.comm_log.snapshot()
+        result.setdefault("counted", dict(counter.bytes_by_kind))  # a Trainer row's: before its untimed step
     finally:
         counter.remove()
+        if clock is not None:
+            clock.remove()
     result["peak_rss"] = status_bytes("VmHWM") - baseline
     return result
+
+
+def install_phase_timers(clock: PhaseClock) -> None:
+    """Every timer of bench_phases, and the benchmark's own compute: the model's forward and the loss."""
+    install_lightning_timers(clock)
+    install_fabric_timers(clock)
+    install_adapter_timers(clock)
+    clock.wrap(BenchGPT, "forward", "compute: model forward")
+    clock.wrap(sys.modules[__name__], "lm_loss", "compute: loss (own lines)")
+    clock.wrap(bench_model, "lm_loss", "compute: loss (own lines)")
 
 
 @dataclass(slots=True)
@@ -215,6 +293,7 @@ class MethodResult:
     peak_rss: int = 0  # largest over ranks and repetitions
     losses: list[float] = field(default_factory=list)  # rank 0, first repetition
     dynamo: dict[str, int] = field(default_factory=dict)  # compiled methods: rank 0's dynamo counts, last repetition
+    phases: Phases | None = None  # the profiled run's ms per step by phase (bench_phases)
 
 
 def _absorb(result: MethodResult, ranks: list[dict[str, Any]], steps: int) -> None:
@@ -257,7 +336,25 @@ def run_benchmark(options: BenchOptions) -> list[MethodResult]:
             _absorb(result, ranks, options.steps)
             recent = statistics.median(result.step_times[-options.steps :]) * 1e3
             print(f"[rep {rep}] {method}: median {recent:.1f} ms/step", file=sys.stderr, flush=True)
+    if options.breakdown:
+        _profile(options, [results[m] for m in options.methods if m in BREAKDOWN_METHODS])
     return [results[method] for method in options.methods]
+
+
+def _profile(options: BenchOptions, results: list[MethodResult]) -> None:
+    """One profiled run of each method (see [Note: self time per phase] in bench_phases.py), after the timed ones."""
+    for result in results:
+        if result.failure is not None:
+            continue
+        try:
+            ranks = run_ranks(rank_worker, options.world_size, result.method, options, True, timeout_s=900,
+                              pg_timeout_s=300)
+        except Exception as error:  # the breakdown lacks this column; the timed rows stand
+            print(f"[profile] {result.method}: failed: {_failure_reason(error)}", file=sys.stderr, flush=True)
+            continue
+        result.phases = merge_runs([r["phases"] for r in ranks], ranks[0]["phase_steps"])
+        total = sum(result.phases.wall.values())
+        print(f"[profile] {result.method}: {total:.1f} ms/step", file=sys.stderr, flush=True)
 
 
 def _mib(nbytes: float) -> str:
@@ -318,8 +415,10 @@ def _details(results: list[MethodResult], psi: int) -> list[str]:
 
 MEASUREMENT_NOTES = """\
 How to read it: step time = slowest rank per step, median over every timed step of every repetition, without the
-memory walk. single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch
-as a single process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
+memory walk (trainer_*: from one on_train_batch_start to the next, the whole iteration of Lightning's loop; their
+model state is walked after the last timed step, when stage 1 has dropped its full gradient).
+single_process = the compute floor: each rank trains its own copy of the model on its per-rank batch as a single
+process would (no communication at all), AdamW(fused=True); the ranks run side by side, so the floor
 shares the machine's cores and memory bandwidth as the other rows' ranks do. Time above floor = a method's median
 minus the floor's, and its share of the method's step (what distribution adds: unhidden communication, sharding
 bookkeeping, a slower optimizer loop; a sharded optimizer steps 1/N of the model, so a little can come back as
@@ -341,6 +440,7 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
     ddp_ms = statistics.median(ddp.step_times) * 1e3 if ddp else None
     floor = next((r for r in results if r.method == FLOOR and r.failure is None), None)
     floor_ms = statistics.median(floor.step_times) * 1e3 if floor else None
+    by_name = {r.method: r for r in results if r.failure is None and r.step_times}
     header = [
         "method", "median step ms", "ratio to DDP", "time above floor", "model state / rank", "theory",
         "ratio to theory",
@@ -360,6 +460,14 @@ def format_report(options: BenchOptions, results: list[MethodResult], command: s
         *compile_table(results, ddp_ms),
         "",
         *repetition_table([r for r in results if r.failure is None], options.steps),
+        "",
+        *paths_table(results, options.steps),
+        "",
+        *breakdown_table(
+            {r.method: r.phases for r in results if r.phases is not None},
+            {r.method: statistics.median(by_name[twin].step_times) * 1e3 for r in results
+             if (twin := engine_twin(r.method) or r.method) in by_name and r.phases is not None},
+        ),
         "",
         *_details(results, psi),
         "",
@@ -381,7 +489,21 @@ def parse_args(argv: list[str]) -> BenchOptions:
     parser.add_argument("--world-size", type=int, default=defaults.world_size, help="number of CPU ranks")
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default: preset's)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: preset's)")
-    args = vars(parser.parse_args(argv))  # the flags are BenchOptions' fields
+    parser.add_argument(
+        "--no-breakdown", dest="breakdown", action="store_false",
+        help="skip the profiled run per Trainer/Fabric/ZeRO method after the timed ones (the per-phase table)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"the headline rows only ({','.join(QUICK_METHODS)}), 2 repetitions of 3 timed steps, unless "
+        "--methods / --reps / --steps say otherwise",
+    )
+    args = vars(parser.parse_args(argv))  # the flags are BenchOptions' fields, but --quick
+    if args.pop("quick"):
+        given = {arg.split("=")[0] for arg in argv}  # "--reps 4" and "--reps=4" alike
+        args["methods"] = args["methods"] if "--methods" in given else ",".join(QUICK_METHODS)
+        args["reps"] = args["reps"] if "--reps" in given else 2
+        args["steps"] = args["steps"] if "--steps" in given else 3
     args["methods"] = [method.strip() for method in args["methods"].split(",") if method.strip()]
     try:
         return BenchOptions(**args)

@@ -13,7 +13,7 @@ from benchmarks.bench_layouts import main
 def test_layout_table_reports_every_layout_against_ddp(capsys):
     report = main(["--params", "tiny", "--steps", "1", "--warmup", "1"])
     assert report in capsys.readouterr().out
-    rows = {name: cells for name, cells in table_rows(report).items() if name != "layout"}
+    rows = {name: cells for name, cells in table_rows(report, "layout").items() if name != "layout"}
     assert list(rows) == ["ddp", "zero3 flat", "zero3 hybrid K=2", "zero3 hierarchical"]
     assert rows["ddp"][2] == "1.00x" and all(float(cells[1]) > 0 for cells in rows.values())
     for name, cells in rows.items():  # model state per rank against its theory (the walk is exact up to padding)

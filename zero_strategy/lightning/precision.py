@@ -80,6 +80,7 @@ class ZeroPrecision(Precision):
         self.reduce_dtype = self.settings.reduce_dtype
         self.scaler = self.settings.scaler
         self._engine: ZeroEngine | None = None
+        self._device_type: str | None = None  # where the engine's module computes: the forward's autocast device
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
         self._step_schedulers: set[int] = set()  # id() of the LR schedulers Lightning steps every step
         self._schedules_module: LightningModule | None = None  # where hold_back_lr_schedulers was installed
@@ -104,6 +105,8 @@ class ZeroPrecision(Precision):
     def attach(self, engine: ZeroEngine | None) -> None:
         """Called by ZeroStrategy once the model is sharded (None after teardown)."""
         self._engine = engine
+        # once per engine, not per forward: finding it lists every FlatParam of the module
+        self._device_type = engine_device_type(engine)
 
     @property
     def engine(self) -> ZeroEngine:
@@ -114,7 +117,7 @@ class ZeroPrecision(Precision):
     # ----------------------------------------------------------------------------------- forward/backward
     @override
     def forward_context(self) -> Any:
-        return self.settings.autocast(engine_device_type(self._engine))
+        return self.settings.autocast(self._device_type)
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
