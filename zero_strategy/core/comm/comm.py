@@ -102,6 +102,14 @@ class Comm(ABC):
     def all_gather_object(self, obj: Any, label: str) -> list[Any]:
         """Every rank's picklable object, in rank order (small control data). Blocking."""
 
+    @property
+    def pairing_by_label(self) -> Comm:
+        """The Comm to make an exchange that only some ranks may post through (a stage-3 parameter changed outside
+        forward): one whose exchange never pairs with a peer's exchange of another kind or label, so that a rank
+        left alone waits (for the watch or the timeout) instead of mixing bytes. Most transports tag their
+        exchanges; shared memory pairs by sequence, and hands out its network Comm."""
+        return self
+
     # ----------------------------------------------------------------------------------------- lifecycle
     def verify_step(self) -> None:  # noqa: B027 (a hook most transports leave empty)
         """Collective, once per optimizer step: check what only this transport can (the divergence watch

@@ -44,6 +44,8 @@ PATIENCE_S = 5.0
 """A wait longer than this consults the peers: long enough that a healthy step never reaches it on a loaded CI
 machine, short enough that a diverged run stops within seconds."""
 POLL_S = 0.5
+OUTSIDE_FORWARD = " outside forward"
+"""How the label of a gather for a stage-3 parameter used outside forward ends (core/flat/outside_forward.py)."""
 
 T = TypeVar("T")
 KINDS = ("gather", "reduce", "collective")  # exchanges counted separately: each kind has its own order
@@ -223,12 +225,22 @@ def _message(states: list[dict]) -> str:
     )
     gathers = [dict(map(tuple, state["history"])) for state in states]  # type: ignore[arg-type]
     first_difference = ""
+    labels = {state["waiting"][2] for state in states}  # what the ranks wait for, and their first difference
     for number in sorted(set.intersection(*(set(g) for g in gathers))):
         units = [g[number] for g in gathers]
         if len(set(units)) > 1:
+            labels.update(units)
             first_difference = f" Gather #{number} was " + ", ".join(
                 f"{unit!r} on rank {rank}" for rank, unit in enumerate(units)) + "."
             break
+    reads = sorted(label for label in labels if label.endswith(OUTSIDE_FORWARD))
+    if reads:  # a parameter used outside forward on some ranks only (see [Note: parameters outside forward])
+        return (
+            f"ZeRO stage 3: a {reads[0]} was made on some ranks only, and through the network it is a gather every "
+            f"rank must make: the ranks wait on each other forever: {waits}.{first_difference} Use the parameter "
+            "on every rank (log from rank 0 only), or read it inside `with trainer.strategy.gathered_parameters():` "
+            "(`engine.gathered_parameters()`) entered by every rank."
+        )
     return (
         "ZeRO stage 3: the ranks gathered different units (a module called on some ranks only, e.g. experts routed "
         f"per rank) and wait on each other forever: {waits}.{first_difference} " + _REMEDY

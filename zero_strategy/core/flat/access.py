@@ -86,12 +86,24 @@ def _is_metadata(func: Callable[..., Any]) -> bool:
     return name in _METADATA_METHODS
 
 
+# What no stage-3 parameter answers outside forward: where its values are (no answer would be DDP's on both
+# transports) and ``.data`` (a tensor of its own: writes through it could not reach the masters)
+_REFUSED = frozenset({"data", "data_ptr", "storage_offset"})
+_KIND = {"__get__": "", "__set__": "assignment", "call": ""}
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is a stage-3 parameter whose values are on other ranks now."""
+    return isinstance(value, _Sharded)
+
+
 def _refused(name: str, what: str) -> ShardedParameterError:
     return ShardedParameterError(
-        f"ZeRO stage 3: {name} was used ({what}) outside forward, where its values are on other ranks. Read "
-        "it inside `with trainer.strategy.gathered_parameters():` (Lightning) or `with "
-        "engine.gathered_parameters():` (every rank must enter it: it gathers), or call module.state_dict(), "
-        "which gathers; stages 1 and 2 keep parameters whole. See [Note: parameters outside forward]."
+        f"ZeRO stage 3: {name} was used ({what}) outside forward, where its values are on other ranks and ZeRO "
+        f"owns its storage. Read or change the parameter itself instead (`{name.rsplit('.', 1)[-1]}.clone()`, "
+        "`with torch.no_grad(): ....copy_(new)`, on every rank), or use it inside `with "
+        "trainer.strategy.gathered_parameters():` (Lightning) / `with engine.gathered_parameters():` (every rank "
+        "must enter it: it gathers). See [Note: parameters outside forward]."
     )
 
 
@@ -108,8 +120,14 @@ class _Sharded:
                 owner = args[0].__dict__.get("_zero_owner")
                 check_grad_read(args[0], owner() if owner is not None else None, args[0].__dict__.get("_zero_name"))
             return value
-        sharded = next((a for a in args if isinstance(a, _Sharded)), None)
-        raise _refused(getattr(sharded, "_zero_name", "a parameter"), _describe(func)[1])
+        kind, name = _describe(func)
+        if kind == "__set__" or name in _REFUSED:
+            sharded = next((a for a in args if isinstance(a, _Sharded)), None)
+            raise _refused(getattr(sharded, "_zero_name", "a parameter"), f"{name} {_KIND[kind]}".strip())
+        # imported here: the module reads FlatParams, whose module imports this one
+        from zero_strategy.core.flat.outside_forward import run_outside_forward
+
+        return run_outside_forward(func, tuple(args), dict(kwargs or {}))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         owner = self._zero_owner()  # type: ignore[attr-defined]

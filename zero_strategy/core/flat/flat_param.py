@@ -141,8 +141,9 @@ class FlatParam:
         return self.spec.reduce_bytes
 
     # ----------------------------------------------------------------------------------- shard / unshard
-    def start_unshard(self) -> None:
-        """Start gathering every rank's slice into the full buffer (asynchronously where possible)."""
+    def start_unshard(self, label: str | None = None) -> None:
+        """Start gathering every rank's slice into the full buffer (asynchronously where possible). ``label``: what
+        the gather is for, when not the unit's own use (see [Note: parameters outside forward] in access.py)."""
         if self.state is not ParamState.SHARDED:
             return
         full = self.storage.full
@@ -153,16 +154,16 @@ class FlatParam:
         full.allocate()
         secondary = self.secondary
         if secondary is not None and secondary.fresh:  # hierarchical stage 3: gathered inside the node
-            self._gather = secondary.start_gather(full.tensor, self.label)
+            self._gather = secondary.start_gather(full.tensor, label or self.label)
         else:
-            self._gather = self.comm.all_gather(full.tensor, self.storage.gather_source(), self.label)
+            self._gather = self.comm.all_gather(full.tensor, self.storage.gather_source(), label or self.label)
             self._gather_fills_secondary = secondary is not None
         self.state = ParamState.GATHERING
 
-    def unshard(self) -> None:
+    def unshard(self, label: str | None = None) -> None:
         """Make the module's parameters usable: start a gather if none is in flight, and wait for it."""
         if self.state is ParamState.SHARDED:
-            self.start_unshard()
+            self.start_unshard(label)
         if self.state is ParamState.GATHERING:
             self._land_gather()
 
@@ -219,10 +220,11 @@ class FlatParam:
         return self.storage.full.tensor
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """The full values for the duration of the block, then the state before it (a collective at stage 3)."""
+    def gathered(self, label: str | None = None) -> Iterator[None]:
+        """The full values for the duration of the block, then the state before it (a collective at stage 3 on the
+        network path; ``label`` names the gather for the divergence watch when it is not the unit's own use)."""
         was_sharded = self.state is ParamState.SHARDED
-        self.unshard()
+        self.unshard(label)
         try:
             yield
         finally:
@@ -234,6 +236,27 @@ class FlatParam:
         if self.state is ParamState.GATHERING:
             self._land_gather()
         unwrap(self.params)
+
+    def write_whole(self, whole: Tensor, label: str) -> None:
+        """Every rank passes the same whole padded values (laid out like the full buffer, in the masters' dtype):
+        this rank keeps its range in its master slice, and every copy the module reads is refreshed (the host-wide
+        slice between two barriers, the gathered buffer where it is held, the device copy; the secondary copy goes
+        stale). Collective: every rank calls it (see [Note: in-place changes outside the optimizer])."""
+        host_wide = self.storage.full.readable_in_place
+        if host_wide:  # the write rule of [Note: shared-memory gathers]: peers are done reading our slice
+            self.comm.barrier(f"{label}: before the write").wait()
+        start, end = self.storage.own_range
+        with torch.no_grad():
+            self.storage.shard.copy_(whole[start:end])
+            if not host_wide and self.state is ParamState.UNSHARDED:  # a private gathered copy in use
+                self.storage.full.tensor.copy_(whole)
+        self.storage.write_own_slice()  # host-wide and not the master itself: the rounded values
+        self.storage.refresh_device_source()
+        if self.secondary is not None:
+            self.secondary.mark_stale()
+        self.storage.after_host_read()
+        if host_wide:  # our slice is complete before a peer reads it
+            self.comm.barrier(f"{label}: after the write").wait()
 
     # ------------------------------------------------------------------------------------ initial values
     def write_initial_value(self, index: int, value: Tensor) -> None:
