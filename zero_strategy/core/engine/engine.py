@@ -33,6 +33,7 @@ from zero_strategy.core.comm.group import simulated_group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.engine.build import build_parts
 from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
+from zero_strategy.core.engine.in_place_changes import take_in_place_changes
 from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.engine.release import gather_into_module, leave_sharded
 from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
@@ -272,6 +273,7 @@ class ZeroEngine:
         parameters — unless :meth:`StepWindow.skip` was called (an fp16 overflow): then the gradients are dropped
         on every rank and nothing moves. An exception inside leaves the step unfinished and propagates."""
         index = self.optimizer_index(optimizer)
+        take_in_place_changes(self.windows.flats_of(index))  # see [Note: in-place changes outside the optimizer]
         self.windows.enter(index)
         window = StepWindow()
         yield window

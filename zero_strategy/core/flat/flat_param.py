@@ -258,6 +258,23 @@ class FlatParam:
         if host_wide:  # our slice is complete before a peer reads it
             self.comm.barrier(f"{label}: after the write").wait()
 
+    def take_in_place_changes(self) -> list[str]:
+        """Stages 1/2 with masters apart from the parameters: the parameters changed in place since the last step
+        (every rank made the same change to its whole copy) take this rank's ranges into its master slice, in the
+        masters' dtype, before the step updates them (see [Note: in-place changes outside the optimizer]). Local.
+        Returns the changed parameters' names."""
+        changed = self.in_place.take_changed()
+        start, end = self.storage.own_range
+        full = self.storage.full.tensor
+        with torch.no_grad():
+            for index in changed:
+                span = self.spec.layout.spans[index]
+                lo, hi = max(span.offset, start), min(span.end, end)
+                if lo < hi:
+                    self.storage.shard[lo - start : hi - start].copy_(full[lo:hi])
+        self.storage.after_host_read()
+        return [self.names[index] for index in changed]
+
     # ------------------------------------------------------------------------------------ initial values
     def write_initial_value(self, index: int, value: Tensor) -> None:
         """Sharded construction: parameter ``index``'s whole initial value. This rank keeps its part of the slice,

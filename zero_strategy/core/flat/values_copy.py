@@ -74,6 +74,12 @@ class ValuesCopy(Tensor):
                         else t, result)
 
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved and pickled as the plain tensor it is (a file must not need this package to load)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(Tensor).__reduce_ex__(protocol)
+
+
 def as_values_copy(value: Tensor, name: str) -> ValuesCopy:
     """``value`` (memory of its own) marked as a copy of parameter ``name``'s values."""
     copy = value.as_subclass(ValuesCopy)
