@@ -10,11 +10,13 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers.compare import assert_state_close
 from helpers.models import clone_state, lm_loss, make_batches, make_model, rank_slice
 from torch.nn.parallel import DistributedDataParallel
 
@@ -214,3 +216,100 @@ def test_every_metadata_looking_read_answers_as_ddp_or_refuses_alike_on_both_tra
     assert refused == {"data_ptr", "storage_offset", "data"}, refused
     for name in shared["zero"]:  # the memory as it is: mapped on one host, freed on the network path
         assert shared["zero"][name][STORAGE_BYTES] > 0 and network["zero"][name][STORAGE_BYTES] == 0, name
+
+
+def every_rank_reads_worker(rank: int, world: int, stage: int, collectives: str) -> dict:
+    """Code written for DDP, every rank: ``before = w.clone()`` and a norm before the step, the change after it."""
+    reference = make_model()
+    ddp = DistributedDataParallel(reference)
+    model = make_model()
+    out: dict = {"ddp": [], "zero": []}
+    zero_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ZeroEngine(model, [zero_opt], ZeroConfig(stage=stage, collectives=collectives))
+    out["host_shared"] = engine.comms.host_shared
+    for name, module, wrapped, optimizer in (
+        ("ddp", reference, ddp, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)),
+        ("zero", model, model, zero_opt),
+    ):
+        for (tokens,) in make_batches(2, 1, 8):
+            lm_loss(wrapped, rank_slice(tokens, rank, world)).backward()
+            weight = module.blocks[1].fc.weight
+            before = weight.clone()  # grad mode on, as in training_step
+            norm = float(weight.norm())
+            engine.optimizer_step(optimizer) if name == "zero" else optimizer.step()
+            optimizer.zero_grad()
+            delta = (weight - before).detach()
+            out[name].append({"before": before.detach(), "delta": delta, "norm": torch.tensor(norm),
+                              "moved": torch.tensor(float(not torch.equal(weight, before))),
+                              "tolist": torch.tensor(module.blocks[0].fc.bias.tolist())})
+    engine.release()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("stage", "collectives"), [(1, "auto"), (2, "auto"), (3, "auto"), (3, "point_to_point")],
+                         ids=["zero1", "zero2", "zero3", "zero3_point_to_point"])
+def test_reads_every_rank_makes_give_ddps_values(stage: int, collectives: str, world: int) -> None:
+    for rank, result in enumerate(run_ranks(every_rank_reads_worker, world, stage, collectives, timeout_s=250)):
+        assert result["host_shared"] == (stage == 3 and collectives == "auto" and world == 2)
+        for step, (got, ref) in enumerate(zip(result["zero"], result["ddp"], strict=True)):
+            assert_state_close(got, ref, rel=1e-5, what=f"rank {rank} step {step}")
+            assert got["moved"].item() == 1.0, "the step moved the weight: the read before it is not a view"
+
+
+def rank_zero_worker(rank: int, world: int, collectives: str, write: bool) -> dict:
+    """Rank 0 alone reads (or changes) a parameter, then every rank trains a step."""
+    reference = make_model()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = ZeroConfig(stage=3, collectives=collectives, process_group_timeout_s=15)
+    engine = ZeroEngine(model, [optimizer], config)
+    out: dict = {"host_shared": engine.comms.host_shared}
+    started = time.monotonic()
+    try:
+        if rank == 0 and write:
+            with torch.no_grad():
+                model.blocks[1].fc.weight.mul_(0.5)
+        elif rank == 0:
+            out["read"] = model.blocks[1].fc.weight.detach().clone()
+            out["reference"] = reference.blocks[1].fc.weight.detach().clone()
+        (tokens,) = make_batches(1, 1, 8)[0]
+        lm_loss(model, rank_slice(tokens, rank, world)).backward()
+        engine.optimizer_step(optimizer)
+        out["outcome"] = "trained"
+    except Exception as error:  # what each rank sees
+        out["outcome"] = f"{type(error).__name__}: {error}"
+    out["seconds"] = time.monotonic() - started
+    if out["outcome"] == "trained":
+        engine.release()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collectives", TRANSPORTS)
+def test_a_read_only_rank_zero_makes_answers_or_stops_every_rank_naming_the_parameter(collectives: str) -> None:
+    results = run_ranks(rank_zero_worker, 2, collectives, False, timeout_s=120, pg_timeout_s=60)
+    assert [r["host_shared"] for r in results] == [collectives == "auto"] * 2
+    if collectives == "auto":  # read in place, no exchange: DDP's value, and training goes on
+        torch.testing.assert_close(results[0]["read"], results[0]["reference"], rtol=0, atol=0)
+        assert [r["outcome"] for r in results] == ["trained", "trained"]
+        return
+    for rank, result in enumerate(results):  # through the network: a gather only rank 0 made, caught by the watch
+        assert result["outcome"].startswith("DivergedGathersError"), f"rank {rank}: {result['outcome']}"
+        assert "blocks.1.fc.weight" in result["outcome"] and "gathered_parameters()" in result["outcome"]
+        assert result["seconds"] < 30, f"rank {rank} stopped after {result['seconds']:.0f} s, not within seconds"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collectives", TRANSPORTS)
+def test_a_change_only_rank_zero_makes_stops_every_rank_and_changes_nothing(collectives: str) -> None:
+    results = run_ranks(rank_zero_worker, 2, collectives, True, timeout_s=200, pg_timeout_s=60)
+    outcomes = [r["outcome"] for r in results]
+    assert "trained" not in outcomes, outcomes
+    # rank 0 names the parameter: through the network within seconds (the watch), on one host's shared memory
+    # after process_group_timeout_s (its exchange pairs only with the same change on the peers, which never comes)
+    assert "blocks.1.fc.weight" in outcomes[0] and "every rank" in outcomes[0], outcomes[0]
+    if collectives == "point_to_point":
+        assert all("blocks.1.fc.weight" in outcome for outcome in outcomes), outcomes
+        assert all(r["seconds"] < 30 for r in results), [r["seconds"] for r in results]
