@@ -78,6 +78,7 @@ class GatherWatch:
         self.history: deque[tuple[int, str]] = deque(maxlen=64)  # (gather number, unit) of the latest gathers
         self._episode = 0
         self.fingerprint = 0  # checksum of the units gathered since the last take_fingerprint
+        self.verdict: str | None = None  # why the ranks diverged, once they did: every later wait raises it
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="zero-gather-watch", daemon=True)
         self._thread.start()
@@ -111,6 +112,7 @@ class GatherWatch:
         """``wait()`` in the waiter thread; past the patience, find out whether the peers can ever answer."""
         if self.state is WatchState.CLOSED:
             raise RuntimeError("the divergence watch was closed with its engine; this exchange belongs to no engine")
+        self.raise_if_diverged(what)
         outcome: list[Any] = []
         done = threading.Event()
         self._jobs.put((wait, outcome, done))
@@ -119,6 +121,13 @@ class GatherWatch:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[1]  # type: ignore[no-any-return]
+
+    def raise_if_diverged(self, what: str) -> None:
+        """After a verdict nothing more can be exchanged (the waiter thread is still stuck in the exchange that
+        diverged, and the peers are stopping): any later exchange (a teardown's gather) raises the verdict again."""
+        if self.verdict is not None:
+            raise DivergedGathersError(f"{self.verdict} (an earlier exchange of this engine diverged: {what} cannot "
+                                       "run)")
 
     def call(self, what: str, collective: Callable[[], T]) -> T:
         """Post and wait for a blocking collective of the engine's own (agreement, buffer broadcast)."""
@@ -151,6 +160,7 @@ class GatherWatch:
                 verdict = self._verdict(previous)
                 if verdict is not None:
                     self._agree_to_stop(verdict)
+                    self.verdict = verdict
                     raise DivergedGathersError(verdict)
                 previous = self._read_all()
             except RuntimeError as error:  # the store's host (rank 0's process) is gone: a peer stopped
