@@ -94,9 +94,10 @@ def test_changes_every_rank_makes_give_ddps_result(stage: int, collectives: str,
         assert result["warnings"] == [], f"rank {rank}: an exact change needs no warning: {result['warnings']}"
 
 
-def precision_worker(rank: int, world: int, stage: int, collectives: str, dtype: torch.dtype) -> dict:
-    """Load, change, then a step with lr=0 (the step moves nothing; stages 1/2 take the change in at it): the
-    masters then hold what the same math gives on one process."""
+def precision_worker(rank: int, world: int, stage: int, collectives: str, dtype: torch.dtype,
+                     inside_gathered: bool = False) -> dict:
+    """Load, change (inside gathered_parameters() if asked), then a step with lr=0 (the step moves nothing; stages
+    1/2 take the change in at it): the masters then hold what the same math gives on one process."""
     model = make_model(n_blocks=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives=collectives),
@@ -104,7 +105,11 @@ def precision_worker(rank: int, world: int, stage: int, collectives: str, dtype:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.load_state_dict(loaded_state())
-        change(model)
+        if inside_gathered:
+            with engine.gathered_parameters():
+                change(model)
+        else:
+            change(model)
         (tokens,) = make_batches(1, 1, 8)[0]
         lm_loss(model, rank_slice(tokens, rank, world)).float().backward()
         engine.optimizer_step(optimizer)
@@ -115,27 +120,88 @@ def precision_worker(rank: int, world: int, stage: int, collectives: str, dtype:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("inside_gathered", [False, True], ids=["outside", "inside_gathered_parameters"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("stage", "collectives"), LAYOUTS, ids=["zero1", "zero2", "zero3", "zero3_point_to_point"])
-def test_changes_in_low_precision_reach_the_fp32_masters(stage: int, collectives: str, dtype: torch.dtype) -> None:
+def test_changes_in_low_precision_reach_the_fp32_masters(stage: int, collectives: str, dtype: torch.dtype,
+                                                         inside_gathered: bool) -> None:
+    """Stage 3 outside gathered_parameters() changes the fp32 masters exactly; everywhere else (stages 1/2, and
+    stage 3 inside gathered_parameters(), where the parameters are whole in their dtype) the masters take the
+    change as the parameters hold it, rounded, and a warning names the parameters."""
+    exact = stage == 3 and not inside_gathered
     loaded = loaded_state()
     fp32 = make_model(n_blocks=2)  # the single-process reference: DDP's fp32 parameters
     fp32.load_state_dict(loaded)
     change(fp32)
     expected = clone_state(fp32)
-    if stage < 3:  # the parameters (in `dtype`) take the change, and the masters take it from them, rounded
+    if not exact:  # the parameters (in `dtype`) take the change, and the masters take it from them, rounded
         low = make_model(n_blocks=2)
         low.load_state_dict(loaded)
         low.to(dtype)
         change(low)
         expected = {k: (v.float() if k in CHANGED else loaded[k]) for k, v in clone_state(low).items()}
-    for rank, result in enumerate(run_ranks(precision_worker, 2, stage, collectives, dtype, timeout_s=300)):
+    results = run_ranks(precision_worker, 2, stage, collectives, dtype, inside_gathered, timeout_s=300)
+    for rank, result in enumerate(results):
         assert result["host_shared"] == (stage == 3 and collectives == "auto")
         got = {k: v for k, v in result["masters"].items() if k in expected}
         assert_state_close(got, {k: expected[k] for k in got}, rel=0.0, what=f"rank {rank}")  # exact
         assert got.keys() == expected.keys() - {"head.weight"}, sorted(got)  # tied to emb.weight
-        if stage == 3:
+        if exact:
             assert result["warnings"] == [], f"rank {rank}: exact at stage 3: {result['warnings']}"
-        else:  # the rounding is stated, naming the parameters
-            assert len(result["warnings"]) == 1 and "rounded" in result["warnings"][0], result["warnings"]
-            assert all(name in result["warnings"][0] for name in CHANGED), result["warnings"][0]
+        else:  # the rounding is stated, naming the parameters (stage 3: one warning per unit released)
+            assert result["warnings"] and all("rounded" in w for w in result["warnings"]), result["warnings"]
+            assert all(any(name in w for w in result["warnings"]) for name in CHANGED), result["warnings"]
+
+
+def inside_worker(rank: int, world: int, stage: int, collectives: str, where: str) -> dict:
+    """Every rank changes parameters inside gathered_parameters(), or inside forward (a pre-forward hook clamping a
+    weight, as weight-constraint code does), while ZeRO and DDP train on the same ranks and data (fp32)."""
+    reference = make_model(n_blocks=2)
+    ddp = DistributedDataParallel(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model = make_model(n_blocks=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, collectives=collectives))
+
+    def clamp(module: nn.Module, args: object) -> None:
+        with torch.no_grad():
+            module.fc.weight.clamp_(-0.05, 0.05)
+
+    if where == "forward":
+        for module in (reference, model):
+            module.blocks[1].register_forward_pre_hook(clamp)
+    out: dict = {"host_shared": engine.comms.host_shared}
+    try:
+        for step, (tokens,) in enumerate(make_batches(3, 1, 8)):
+            if step == 1 and where == "gathered_parameters":
+                change(reference)
+                with engine.gathered_parameters():
+                    change(model)
+            lm_loss(ddp, rank_slice(tokens, rank, world)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            lm_loss(model, rank_slice(tokens, rank, world)).backward()
+            engine.optimizer_step(optimizer)
+            optimizer.zero_grad()
+        out |= {"zero": clone_state(model), "ddp": clone_state(reference)}
+        engine.release()
+    except Exception as error:  # what each rank sees
+        out["error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["gathered_parameters", "forward"])
+@pytest.mark.parametrize(("stage", "collectives"), LAYOUTS, ids=["zero1", "zero2", "zero3", "zero3_point_to_point"])
+def test_changes_inside_gathered_parameters_or_forward(stage: int, collectives: str, where: str) -> None:
+    """Inside gathered_parameters() each rank changes its own copy and the release takes the change in: DDP's
+    result on every transport. Inside forward the same holds, except on one host's shared memory, where the
+    parameters are read in place and a change every rank makes lands once per rank: refused, naming it."""
+    for rank, result in enumerate(run_ranks(inside_worker, 2, stage, collectives, where, timeout_s=300)):
+        assert result["host_shared"] == (stage == 3 and collectives == "auto")
+        if result["host_shared"] and where == "forward":
+            assert "ShardedParameterError" in result.get("error", ""), f"rank {rank}: {result}"
+            assert "blocks.1.fc.weight" in result["error"] and "inside forward" in result["error"], result["error"]
+            continue
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert_state_close(result["zero"], result["ddp"], rel=1e-5, what=f"rank {rank}")

@@ -305,8 +305,8 @@ class ZeroEngine:
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Make every parameter of the module whole for the duration of the block (e.g. ``state_dict()``)."""
-        for unit in self.units:
-            unit.unshard()
+        for flat in self.flat_params:  # a change made inside is this rank's until the release takes it in
+            flat.unshard_private()
         try:
             yield
         finally:

@@ -4,11 +4,10 @@ outside the optimizer] in core/flat/in_place_watch.py."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.in_place_watch import ROUNDED, InPlaceChangeWarning
+from zero_strategy.core.flat.in_place_watch import warn_rounded
 
 
 def take_in_place_changes(flats: Iterable[FlatParam]) -> None:
@@ -23,8 +22,4 @@ def take_in_place_changes(flats: Iterable[FlatParam]) -> None:
         if names and flat.full.dtype != flat.shard.dtype:
             rounded += names
     if rounded:
-        warnings.warn(
-            f"ZeRO: {', '.join(rounded)} changed in place outside the optimizer; {ROUNDED}",
-            InPlaceChangeWarning,
-            stacklevel=4,
-        )
+        warn_rounded(rounded)

@@ -22,9 +22,10 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
+from zero_strategy.core.flat import master_writes
 from zero_strategy.core.flat.access import mark_owner, unwrap, wrap
 from zero_strategy.core.flat.grads import GradientSlices
-from zero_strategy.core.flat.in_place_watch import GATHERED, HOST_WIDE, InPlaceWatch
+from zero_strategy.core.flat.in_place_watch import InPlaceWatch
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.secondary import SecondaryCopy
 from zero_strategy.core.flat.storage import FlatStorage
@@ -75,6 +76,7 @@ class FlatParam:
         self.state = ParamState.UNSHARDED
         self._gather: Work | None = None  # in flight while GATHERING
         self._gather_fills_secondary = False  # the gather in flight comes from the world and refreshes `secondary`
+        self._private: Tensor | None = None  # host-wide buffer: this rank's copy inside gathered_parameters()
         for span, param in zip(spec.layout.spans, self.params, strict=True):
             view = full[span.offset : span.end].view(span.shape)
             if param.is_meta:  # `.data` of a meta parameter cannot point at real storage: make it real first
@@ -187,7 +189,8 @@ class FlatParam:
             self._land_gather()
         if self.state is ParamState.SHARDED:
             return
-        self.in_place.check(HOST_WIDE if self.storage.full.readable_in_place else GATHERED)
+        private, self._private = self._private, None
+        master_writes.take_changes_at_release(self, private)  # see [Note: in-place changes outside the optimizer]
         self.storage.full.free()
         self.state = ParamState.SHARDED
         wrap(self.params)  # see [Note: parameters outside forward] in access.py
@@ -238,42 +241,24 @@ class FlatParam:
         unwrap(self.params)
 
     def write_whole(self, whole: Tensor, label: str) -> None:
-        """Every rank passes the same whole padded values (laid out like the full buffer, in the masters' dtype):
-        this rank keeps its range in its master slice, and every copy the module reads is refreshed (the host-wide
-        slice between two barriers, the gathered buffer where it is held, the device copy; the secondary copy goes
-        stale). Collective: every rank calls it (see [Note: in-place changes outside the optimizer])."""
-        host_wide = self.storage.full.readable_in_place
-        if host_wide:  # the write rule of [Note: shared-memory gathers]: peers are done reading our slice
-            self.comm.barrier(f"{label}: before the write").wait()
-        start, end = self.storage.own_range
-        with torch.no_grad():
-            self.storage.shard.copy_(whole[start:end])
-            if not host_wide and self.state is ParamState.UNSHARDED:  # a private gathered copy in use
-                self.storage.full.tensor.copy_(whole)
-        self.storage.write_own_slice()  # host-wide and not the master itself: the rounded values
-        self.storage.refresh_device_source()
-        if self.secondary is not None:
-            self.secondary.mark_stale()
-        self.storage.after_host_read()
-        if host_wide:  # our slice is complete before a peer reads it
-            self.comm.barrier(f"{label}: after the write").wait()
+        """See master_writes.write_whole (a collective)."""
+        master_writes.write_whole(self, whole, label, in_use=self.state is ParamState.UNSHARDED)
 
     def take_in_place_changes(self) -> list[str]:
         """Stages 1/2 with masters apart from the parameters: the parameters changed in place since the last step
-        (every rank made the same change to its whole copy) take this rank's ranges into its master slice, in the
-        masters' dtype, before the step updates them (see [Note: in-place changes outside the optimizer]). Local.
-        Returns the changed parameters' names."""
-        changed = self.in_place.take_changed()
-        start, end = self.storage.own_range
-        full = self.storage.full.tensor
-        with torch.no_grad():
-            for index in changed:
-                span = self.spec.layout.spans[index]
-                lo, hi = max(span.offset, start), min(span.end, end)
-                if lo < hi:
-                    self.storage.shard[lo - start : hi - start].copy_(full[lo:hi])
-        self.storage.after_host_read()
-        return [self.names[index] for index in changed]
+        take this rank's ranges into its master slice before the step (see master_writes.take_changes). Local."""
+        return master_writes.take_changes(self, self.storage.full.tensor)
+
+    def unshard_private(self) -> None:
+        """``gathered_parameters()``: the full values where a change made in place stays this rank's own until the
+        release takes it into the masters (see [Note: in-place changes outside the optimizer]). A private gathered
+        buffer is that already; a host-wide one is copied, so that a change every rank makes lands once per rank."""
+        if not (self.storage.full.readable_in_place and self.state is ParamState.SHARDED):
+            self.unshard()
+            return
+        unwrap(self.params)
+        self._private = master_writes.private_copy(self)
+        self.state = ParamState.UNSHARDED
 
     # ------------------------------------------------------------------------------------ initial values
     def write_initial_value(self, index: int, value: Tensor) -> None:

@@ -42,17 +42,10 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-GATHERED = (
-    "it was made inside forward or gathered_parameters(), where at stage 3 a gathered parameter is a temporary copy, "
-    "so the change is lost when its unit is released (the master slices keep the old values). Make it outside "
-    "gathered_parameters() (with torch.no_grad(): on every rank), where it is applied to the masters exactly."
-)
 HOST_WIDE = (
-    "it was made inside forward or gathered_parameters(), where at stage 3 on one host its values live once per "
-    "host in shared memory, so a change every rank makes is applied once per rank: clamping or copying in the same "
-    "values is safe, scaling or adding to it compounds; under bf16/fp16 the next optimizer step overwrites it. Make "
-    "it outside gathered_parameters() (with torch.no_grad(): on every rank), where it is applied to the masters "
-    "exactly."
+    "it was made inside forward, where at stage 3 on one host its values live once per host in shared memory, so a "
+    "change every rank makes lands once per rank (x0.25 for a mul_(0.5) on 2 ranks). Make it outside forward (with "
+    "torch.no_grad(): on every rank), or inside gathered_parameters(), where it is applied to the masters."
 )
 OVERWRITTEN = (
     "it was made during the optimizer step, after the masters (kept apart from the parameters here: bf16/fp16 "
@@ -60,10 +53,15 @@ OVERWRITTEN = (
     "or after the step."
 )
 ROUNDED = (
-    "the fp32 master weights take the change as the parameters hold it, rounded to their dtype (bf16/fp16), at the "
-    "next optimizer step; DDP's fp32 parameter would keep the unrounded result. For an exact change, make it at "
-    "stage 3 (where it is applied to the masters) or in fp32."
+    "the fp32 master weights took the change as the parameters hold it, rounded to their dtype (bf16/fp16); DDP's "
+    "fp32 parameter would keep the unrounded result. For an exact change, make it at stage 3 outside forward and "
+    "gathered_parameters() (where it is applied to the masters), or in fp32."
 )
+
+
+def warn_rounded(names: list[str]) -> None:
+    warnings.warn(f"ZeRO: {', '.join(names)} changed in place outside the optimizer; {ROUNDED}",
+                  InPlaceChangeWarning, stacklevel=5)
 
 
 class InPlaceChangeWarning(UserWarning):
@@ -100,8 +98,7 @@ class InPlaceWatch:
             return
         self.forget()
         warnings.warn(
-            f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence} Change weights "
-            "through the optimizer or a checkpoint load instead.",
+            f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence}",
             InPlaceChangeWarning,
             stacklevel=3,
         )
