@@ -73,8 +73,8 @@ def take_changes_at_release(flat: FlatParam, private: Tensor | None) -> None:
     if storage.full.readable_in_place and private is None:
         changed = flat.in_place.take_changed()
         if changed:
-            names = ", ".join(flat.names[index] for index in changed)
-            raise ShardedParameterError(f"ZeRO: {names} changed in place outside the optimizer; {HOST_WIDE}")
+            listed = ", ".join(flat.names[index] for index in changed)
+            raise ShardedParameterError(f"ZeRO: {listed} changed in place outside the optimizer; {HOST_WIDE}")
         return
     if private is None:
         names = take_changes(flat, storage.full.tensor)
