@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
-from zero_strategy.core.flat.access import ShardedParameterError, is_sharded
+from zero_strategy.core.flat.access import ShardedParameterError
+from zero_strategy.core.flat.errors import is_sharded
 from zero_strategy.testing import run_ranks
 
 TRANSPORTS = ["auto", "point_to_point"]

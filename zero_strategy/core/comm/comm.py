@@ -19,6 +19,15 @@ from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.work import Work
 
+OUTSIDE_FORWARD = " outside forward"
+"""How the label of a gather for a stage-3 parameter used outside forward ends (core/flat/outside_forward.py): the
+point-to-point transport gives such gathers a tag family of their own, the divergence watch names them."""
+
+
+class DivergedGathersError(RuntimeError):
+    """The ranks gathered different stage-3 units (or a parameter outside forward on some ranks only) and can never
+    complete the exchanges they wait on (see [Note: diverging gathers] in watch.py)."""
+
 
 class ReduceOp(Enum):
     SUM = "sum"

@@ -34,9 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_strategy.core.comm.backend import BackendComm
-from zero_strategy.core.comm.comm import ReduceOp
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, ReduceOp
 from zero_strategy.core.comm.group import check_device, on_collective_device
-from zero_strategy.core.comm.watch import OUTSIDE_FORWARD
 from zero_strategy.core.comm.work import Work
 
 _TAG_LIMIT = 2**31  # gloo tags are non-negative 32-bit integers

@@ -40,19 +40,17 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, DivergedGathersError
+
+__all__ = ["DivergedGathersError", "GatherWatch", "WatchState", "remedy"]
+
 PATIENCE_S = 5.0
 """A wait longer than this consults the peers: long enough that a healthy step never reaches it on a loaded CI
 machine, short enough that a diverged run stops within seconds."""
 POLL_S = 0.5
-OUTSIDE_FORWARD = " outside forward"
-"""How the label of a gather for a stage-3 parameter used outside forward ends (core/flat/outside_forward.py)."""
 
 T = TypeVar("T")
 KINDS = ("gather", "reduce", "collective")  # exchanges counted separately: each kind has its own order
-
-
-class DivergedGathersError(RuntimeError):
-    """The ranks gathered different stage-3 units and can never complete the exchanges they wait on."""
 
 
 _STOP = object()  # the job that ends the waiter thread

@@ -45,7 +45,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.flat.errors import SHARDED_MARKER, ShardedParameterError
 from zero_strategy.core.flat.grad_reads import check_grad_read, is_grad_getter
+from zero_strategy.core.flat.outside_forward import run_outside_forward
+
+__all__ = ["ShardedParameterError", "forget_owner", "mark_owner", "own_grad", "unwrap", "wrap"]
 
 # What reads no values of a parameter, and answers alike on every transport and as under DDP: properties (their
 # getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr`` and
@@ -62,10 +66,6 @@ _METADATA_METHODS = frozenset({
     "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "_is_view", "is_shared", "is_pinned",
     "__len__", "__format__", "__repr__", "__dir__", "__sizeof__",
 })
-
-
-class ShardedParameterError(RuntimeError):
-    """A stage-3 parameter was read (or written) outside forward, where its values are on other ranks."""
 
 
 def _describe(func: Callable[..., Any]) -> tuple[str, str]:
@@ -90,11 +90,6 @@ def _is_metadata(func: Callable[..., Any]) -> bool:
 # transports) and ``.data`` (a tensor of its own: writes through it could not reach the masters)
 _REFUSED = frozenset({"data", "data_ptr", "storage_offset"})
 _KIND = {"__get__": "", "__set__": "assignment", "call": ""}
-
-
-def is_sharded(value: object) -> bool:
-    """Whether ``value`` is a stage-3 parameter whose values are on other ranks now."""
-    return isinstance(value, _Sharded)
 
 
 def _refused(name: str, what: str) -> ShardedParameterError:
@@ -124,9 +119,6 @@ class _Sharded:
         if kind == "__set__" or name in _REFUSED:
             sharded = next((a for a in args if isinstance(a, _Sharded)), None)
             raise _refused(getattr(sharded, "_zero_name", "a parameter"), f"{name} {_KIND[kind]}".strip())
-        # imported here: the module reads FlatParams, whose module imports this one
-        from zero_strategy.core.flat.outside_forward import run_outside_forward
-
         return run_outside_forward(func, tuple(args), dict(kwargs or {}))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
@@ -157,7 +149,7 @@ _SHARDED_CLASSES: dict[type, type] = {}
 def _sharded_class(own: type) -> type:
     """The subclass of ``own`` a parameter of class ``own`` takes while sharded (made once per class)."""
     if own not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[own] = type(f"Sharded{own.__name__}", (_Sharded, own), {})
+        _SHARDED_CLASSES[own] = type(f"Sharded{own.__name__}", (_Sharded, own), {SHARDED_MARKER: True})
     return _SHARDED_CLASSES[own]
 
 

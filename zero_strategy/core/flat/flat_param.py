@@ -240,6 +240,11 @@ class FlatParam:
             self._land_gather()
         unwrap(self.params)
 
+    def land_prefetch(self) -> None:
+        """A gather in flight (a prefetch) lands now; the parameters take their own class."""
+        if self.state is ParamState.GATHERING:
+            self._land_gather()
+
     def write_whole(self, whole: Tensor, label: str) -> None:
         """See master_writes.write_whole (a collective)."""
         master_writes.write_whole(self, whole, label, in_use=self.state is ParamState.UNSHARDED)

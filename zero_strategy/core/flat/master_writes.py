@@ -6,16 +6,15 @@ Free functions of a FlatParam (flat_param.py calls them; this module does not im
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from zero_strategy.core.flat.access import ShardedParameterError
+from zero_strategy.core.flat.errors import ShardedParameterError
 from zero_strategy.core.flat.in_place_watch import HOST_WIDE, warn_rounded
 
-if TYPE_CHECKING:
-    from zero_strategy.core.flat.flat_param import FlatParam
+FlatParam = Any  # a FlatParam (flat_param.py imports this module)
 
 
 def write_whole(flat: FlatParam, whole: Tensor, label: str, in_use: bool) -> None:

@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero_strategy.core.comm.watch import OUTSIDE_FORWARD, DivergedGathersError
-from zero_strategy.core.flat.access import ShardedParameterError, is_sharded
-from zero_strategy.core.flat.flat_param import FlatParam, ParamState
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, DivergedGathersError
+from zero_strategy.core.flat.errors import ShardedParameterError, is_sharded
 from zero_strategy.core.flat.values_copy import NoGradientThrough, as_values_copy, function_name, written_tensors
-from zero_strategy.core.flat.whole import gather_whole
+
+FlatParam = Any  # a FlatParam (flat_param.py, which imports this module through access.py)
 
 # Writes that would change what a parameter *is* (its storage, its size), not its values: refused
 _STRUCTURAL = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "share_memory_", "detach_", "swapaxes_",
@@ -89,8 +89,7 @@ def _write(
     wholes: dict[int, Tensor] = {}
     substitutes: dict[int, Tensor] = {}
     for owner, params in by_owner:  # a collective on every transport: every rank makes the change
-        if owner.state is ParamState.GATHERING:  # a prefetch in flight lands before the slices change
-            owner.unshard()
+        owner.land_prefetch()  # a gather in flight lands before the slices change
         changed = [p for p in params if id(p) in written_ids]
         what = "change" if changed else "read"
         whole = _gather_masters(owner, f"{what} of {_names(changed or params)}{OUTSIDE_FORWARD}")
@@ -114,8 +113,11 @@ def _gather_masters(owner: FlatParam, label: str) -> Tensor:
     """Every rank's master slice of ``owner``, through an exchange that pairs only with the same one on the peers:
     a rank that changes a parameter alone waits until the divergence watch (network path) or the process group's
     timeout (one host's shared memory) stops it, and never mixes its masters with another exchange's bytes."""
+    device = owner.full.device
+    whole = torch.empty(owner.layout.padded_numel, dtype=owner.shard.dtype, device=device)
     try:
-        return gather_whole(owner, owner.shard, label, owner.comm.pairing_by_label)
+        owner.comm.pairing_by_label.all_gather(whole, owner.shard.to(device, copy=True), label).wait()
+        return whole
     except DivergedGathersError:
         raise
     except RuntimeError as error:  # a timeout: some rank never made the change

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero_strategy.core.flat.access import ShardedParameterError
+from zero_strategy.core.flat.errors import ShardedParameterError
 
 # Tensor methods that write into their first argument although their name does not end with "_"
 IN_PLACE_DUNDERS = frozenset({

@@ -15,18 +15,16 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.plan.layout import SliceOverlap
 
 
-def gather_whole(flat: FlatParam, values: Tensor, label: str, comm: Comm | None = None) -> Tensor:
+def gather_whole(flat: FlatParam, values: Tensor, label: str) -> Tensor:
     """Every rank's ``values`` (1-D, laid out like ``flat``'s slice) in rank order: the padded flat buffer, in
-    ``values``' dtype, on the device the FlatParam gathers on. Collective over ``flat``'s shard group, through
-    ``comm`` (default: the FlatParam's own)."""
+    ``values``' dtype, on the device the FlatParam gathers on. Collective over ``flat``'s shard group."""
     device = flat.full.device
     whole = torch.empty(flat.layout.padded_numel, dtype=values.dtype, device=device)
-    (comm or flat.comm).all_gather(whole, values.to(device, copy=True), label).wait()
+    flat.comm.all_gather(whole, values.to(device, copy=True), label).wait()
     return whole
 
 
