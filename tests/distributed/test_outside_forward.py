@@ -314,3 +314,45 @@ def test_a_change_only_rank_zero_makes_stops_every_rank_and_changes_nothing(coll
     if collectives == "point_to_point":
         assert all("blocks.1.fc.weight" in outcome for outcome in outcomes), outcomes
         assert all(r["seconds"] < 30 for r in results), [r["seconds"] for r in results]
+
+
+def refused_changes_worker(rank: int, world: int, collectives: str) -> dict:
+    model = make_model()
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3,
+                                                                                        collectives=collectives))
+    weight = model.blocks[1].fc.weight
+    before = weight.detach().clone()
+    attempts = {
+        "through a view": lambda: weight.detach().mul_(2.0),
+        "through an index": lambda: weight[0].zero_(),
+        "through view_as (nn.init.orthogonal_)": lambda: torch.nn.init.orthogonal_(weight),
+        "autograd on": lambda: weight.mul_(2.0),
+        "data": lambda: weight.data.mul_(2.0),
+    }
+    out: dict = {"host_shared": engine.comms.host_shared}
+    for what, attempt in attempts.items():
+        try:
+            if what == "autograd on":
+                attempt()
+            else:
+                with torch.no_grad():
+                    attempt()
+            out[what] = "no error"
+        except (ShardedParameterError, RuntimeError) as error:
+            out[what] = f"{type(error).__name__}: {error}"
+    out["unchanged"] = bool(torch.equal(weight.detach(), before))
+    engine.release()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collectives", TRANSPORTS)
+def test_changes_that_cannot_reach_the_masters_are_refused_before_anything_changes(collectives: str) -> None:
+    for rank, result in enumerate(run_ranks(refused_changes_worker, 2, collectives, timeout_s=100)):
+        assert result.pop("host_shared") == (collectives == "auto")
+        assert result.pop("unchanged"), f"rank {rank}: a refused change modified the weight"
+        for what, outcome in result.items():
+            if what == "autograd on":  # torch's own error, as under DDP
+                assert "leaf Variable that requires grad" in outcome, outcome
+            else:
+                assert outcome.startswith("ShardedParameterError") and "blocks.1.fc.weight" in outcome, (what, outcome)
