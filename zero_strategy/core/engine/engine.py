@@ -163,7 +163,8 @@ class ZeroEngine:
 
     def named_flat_params(self) -> Iterator[tuple[str, FlatParam, tuple[int, ...]]]:
         """(stable key, FlatParam, the optimizers that step it) for every FlatParam, in unit order (checkpoints use
-        the key)."""
+        the key). Changes made in place since the last step reach the masters first: a save writes them."""
+        take_in_place_changes(self.flat_params)  # see [Note: in-place changes outside the optimizer]
         for flat in self.flat_params:
             yield flat.spec.key, flat, flat.optimizers
 
