@@ -16,9 +16,10 @@ a change, made by every rank as under DDP:
   ``nn.init.orthogonal_``) is refused, naming the parameter: outside forward a view is a copy (values_copy.py).
   ``load_state_dict`` writes the masters itself (see [Note: loading a full state dict into the shards]).
 - stages 1/2 whose fp32 masters are kept apart from the parameters (bf16/fp16 parameters, offload): before the next
-  optimizer step each rank takes the changed parameters' ranges into its master slice (engine/in_place_changes.py).
-  Exact in fp32 (offload); in bf16/fp16 the masters receive the change as the parameters hold it, rounded to their
-  dtype (DDP's fp32 parameter would keep the unrounded result), and a warning says so. A change made inside the step
+  optimizer step (or a save) each rank takes the changed parameters' ranges into its master slice
+  (engine/in_place_changes.py). Exact in fp32 (offload); in bf16/fp16 the masters receive the change as the
+  parameters hold it, rounded to their dtype (DDP's fp32 parameter would keep the unrounded result), and a warning
+  says so. A change made inside the step
   window itself (an optimizer hook) is overwritten by the step, and a warning says so.
 - stages 1/2 in fp32 without offload: each rank's slice of the parameters *is* its master shard: DDP's behaviour,
   nothing to do.
