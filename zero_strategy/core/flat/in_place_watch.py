@@ -23,11 +23,13 @@ a change, made by every rank as under DDP:
   window itself (an optimizer hook) is overwritten by the step, and a warning says so.
 - stages 1/2 in fp32 without offload: each rank's slice of the parameters *is* its master shard: DDP's behaviour,
   nothing to do.
-- stage 3 *inside* forward or ``gathered_parameters()`` (the parameters are their own class there, nothing sees the
-  change as it is made): through the network the gathered parameter is a temporary copy and the change is lost at
-  the unit's release; on one host's shared memory the parameter lives once per host, so the change is applied once
-  per rank. Both are named in a warning at the release. Make such changes outside ``gathered_parameters()``, where
-  they are exact.
+- stage 3 *inside* ``gathered_parameters()`` (the parameters are their own class there, nothing sees the change
+  as it is made): each rank changes its own copy (through the network the gathered buffer; on one host a private
+  copy of the host-wide buffer, made at entry), and the unit's release takes the changed parameters' ranges into
+  the masters (master_writes.py; on one host between two barriers): exact in fp32, rounded in bf16/fp16 (with a
+  warning). Inside forward through the network the same happens at the unit's release; on one host's shared memory
+  forward reads the host-wide buffer in place, where a change every rank makes lands once per rank: the release
+  raises :class:`ShardedParameterError` naming the parameter (after the fact: the buffer is changed by then).
 
 Each parameter that ``.data`` re-pointed at the flat buffer has its own version counter (see [Note: views into
 one flat buffer] in flat_param.py), which only in-place operations through that parameter move: the engine writes
