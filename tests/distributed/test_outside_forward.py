@@ -288,8 +288,9 @@ def rank_zero_worker(rank: int, world: int, collectives: str, write: bool) -> di
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("collectives", TRANSPORTS)
+@pytest.mark.parametrize("collectives", [*TRANSPORTS, "native"])
 def test_a_read_only_rank_zero_makes_answers_or_stops_every_rank_naming_the_parameter(collectives: str) -> None:
+    """gloo's own collectives ("native") carry no label: such gathers go point-to-point there, and end the same."""
     results = run_ranks(rank_zero_worker, 2, collectives, False, timeout_s=120, pg_timeout_s=60)
     assert [r["host_shared"] for r in results] == [collectives == "auto"] * 2
     if collectives == "auto":  # read in place, no exchange: DDP's value, and training goes on
