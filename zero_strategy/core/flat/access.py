@@ -44,11 +44,12 @@ test_outside_forward.py tries each kind of read on both transports, test_in_plac
   ...)``, this project's memory tests and benchmarks) must see. It holds no values a user could mistake for DDP's.
 - ``repr``/``str`` describe the parameter (name, shape, dtype, "values on other ranks") without its values: a
   debugger or a log line on one rank must not start a collective.
-With ``collectives="native"`` the backend's collectives carry no label: a read only some ranks make can pair with a
-peer's gather of the same size; the step's gather check then refuses the step, but the read has returned wrong
-values. On a GPU (no watch) such a read ends with the process group's timeout. Stages 1 and 2 keep every parameter
-whole: their parameters are never wrapped. The class swap costs a pointer write per parameter at each gather and
-release; inside forward and backward the parameters are their own class, so nothing is added to the hot path.
+With ``collectives="native"`` on gloo these gathers go point-to-point (core/comm/native.py), and end the same way.
+Not covered: on a GPU (NCCL; no watch there) a read only some ranks make is a collective only they make: it can
+pair with a peer's gather of the same size (wrong values) or wait until the process group's timeout.
+Stages 1 and 2 keep every parameter whole: their parameters are never wrapped. The class swap costs a pointer write
+per parameter at each gather and release; inside forward and backward the parameters are their own class, so
+nothing is added to the hot path.
 """
 
 from __future__ import annotations
