@@ -24,6 +24,8 @@ STRATEGIES = {
     "zero2": dict(stage=2),
     "zero3": dict(stage=3, collectives="auto"),
     "zero3_point_to_point": dict(stage=3, collectives="point_to_point"),
+    "zero2_offload": dict(stage=2, offload_optimizer="cpu"),  # masters apart: changes taken in at the step
+    "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
 }
 
 

@@ -1,9 +1,9 @@
 """The Trainer reading and changing parameters outside forward as code written for DDP does (issue 34, items 2 and
 7): ``before = w.clone()`` in training_step and the step's difference after it, a weight's norm in a hook, in-place
 changes every rank makes and a load_state_dict into the running model, at every stage (stage 3 on one host's shared
-memory and through the network), on 1 and 2 processes, against DDP in the same test. A read only rank 0 makes
-answers on shared memory and stops both ranks with an error naming the parameter through the network (see [Note:
-parameters outside forward] in core/flat/access.py)."""
+memory and through the network; with offload), on 1 and 2 processes, against DDP in the same test. A read only
+rank 0 makes answers on shared memory and stops both ranks with an error naming the parameter through the network
+(see [Note: parameters outside forward] in core/flat/access.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ STRATEGIES = {
     "zero2": lambda: "zero2",
     "zero3": lambda: ZeroStrategy(stage=3, collectives="auto"),
     "zero3_point_to_point": lambda: ZeroStrategy(stage=3, collectives="point_to_point"),
+    # offload: masters apart from the parameters (stage 2 takes changes in at the step), stage 3 through the network
+    "zero2_offload": lambda: "zero2_offload",
+    "zero3_offload": lambda: "zero3_offload",
 }
 
 
