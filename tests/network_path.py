@@ -34,7 +34,8 @@ PASSES = ("point_to_point", "native")
 # takes the network path there or the test pins its transports: tests/lightning/test_multinode.py (two nodes),
 # offloaded runs (tests/examples/test_finetune_example.py, tests/tools/test_bench_largest.py), and the tests that
 # parametrize collectives themselves (test_checkpoint_hooks.py, test_lightning_patterns.py,
-# test_fabric_activation_checkpointing.py, tests/tools/test_profiler.py, test_estimate.py, test_benchmark_smoke.py).
+# test_outside_forward_trainer.py, test_fabric_outside_forward.py, test_fabric_activation_checkpointing.py,
+# tests/tools/test_profiler.py, test_estimate.py, test_benchmark_smoke.py).
 # Left out for time, each a memory measurement or a repeat of a listed fit: test_dcp_memory.py, test_setup_memory.py,
 # offload/test_activation_checkpointing.py's memory test, test_offload.py's NVMe memory test and its [sgd] case,
 # and test_train_example.py's sweep.

@@ -1,7 +1,7 @@
 """Stage 3's parameters outside forward, on both transports (one host's shared memory, read in place; and
 point-to-point, where their memory is freed between uses): never garbage, never a crash (see [Note: parameters
-outside forward] in core/flat/access.py). state_dict() and copy.deepcopy gather and give the full values; any
-other read raises an error naming the parameter and gathered_parameters(), inside which it reads the full values.
+outside forward] in core/flat/access.py). state_dict(), copy.deepcopy and every read of the values give DDP's values;
+only where the values are (data_ptr, storage_offset) and ``.data`` raise an error naming the parameter.
 Forwards outside the step and a second forward after a backward gather what they use (see [Note: every forward
 gathers] in core/runtime/hooks.py). References: the same model trained under torch's DDP on the same ranks."""
 
@@ -10,17 +10,20 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers.compare import assert_state_close
 from helpers.models import clone_state, lm_loss, make_batches, make_model, rank_slice
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.flat.access import ShardedParameterError
+from zero_strategy.core.flat.errors import is_sharded
 from zero_strategy.testing import run_ranks
 
 TRANSPORTS = ["auto", "point_to_point"]
@@ -63,11 +66,14 @@ def outside_worker(rank: int, world: int, collectives: str) -> dict:
     emb_copy = copy.deepcopy(model.emb)
     out["submodule_deepcopy"] = clone_state(emb_copy)
     out["copy_hooks_inert"] = emb_copy(torch.zeros(1, 2, dtype=torch.long)).shape
+    out["read"] = model.blocks[1].fc.weight.clone()  # every rank reads: DDP's values
+    out["read_grad"] = out["read"].requires_grad  # as DDP's clone
+    out["read"] = out["read"].detach()
     try:
-        model.blocks[1].fc.weight.clone()
-        out["read"] = "no error"
+        model.blocks[1].fc.weight.data  # noqa: B018 (the read under test)
+        out["data"] = "no error"
     except ShardedParameterError as error:
-        out["read"] = str(error)
+        out["data"] = str(error)
     with engine.gathered_parameters():
         out["gathered_read"] = model.blocks[1].fc.weight.clone()
     out["metadata"] = (tuple(model.blocks[1].fc.weight.shape), model.blocks[1].fc.weight.numel(),
@@ -78,11 +84,7 @@ def outside_worker(rank: int, world: int, collectives: str) -> dict:
         out["reference_logits"] = reference(tokens).clone()
         out["head_only"] = model.head(torch.ones(1, model.emb.weight.shape[1])).clone()
         out["reference_head"] = reference.head(torch.ones(1, reference.emb.weight.shape[1])).clone()
-    out["after_eval_read"] = "no error"
-    try:
-        model.head.weight.sum()
-    except ShardedParameterError:
-        out["after_eval_read"] = "sharded again"
+    out["after_eval_read"] = "sharded again" if is_sharded(model.head.weight) else "still gathered"
     engine.release()
     return out
 
@@ -102,7 +104,9 @@ def test_parameters_outside_forward_are_gathered_or_refused_never_garbage(collec
         for key, value in r["submodule_deepcopy"].items():
             torch.testing.assert_close(value, ref[f"emb.{key}"], rtol=1e-5, atol=1e-6)
         assert r["copy_hooks_inert"][:2] == (1, 2)
-        assert "blocks.1.fc.weight" in r["read"] and "gathered_parameters()" in r["read"], r["read"]
+        torch.testing.assert_close(r["read"], ref["blocks.1.fc.weight"], rtol=1e-5, atol=1e-6)
+        assert r["read_grad"], "a clone of a parameter requires a gradient, as under DDP"
+        assert "blocks.1.fc.weight" in r["data"] and "gathered_parameters()" in r["data"], r["data"]
         torch.testing.assert_close(r["gathered_read"], ref["blocks.1.fc.weight"], rtol=1e-5, atol=1e-6)
         assert r["metadata"] == (tuple(ref["blocks.1.fc.weight"].shape), ref["blocks.1.fc.weight"].numel(), True)
         torch.testing.assert_close(r["eval_logits"], r["reference_logits"], rtol=1e-5, atol=1e-5)
@@ -128,7 +132,7 @@ def _scaled_model() -> torch.nn.Module:
 
 
 # Every read that looks like metadata, and the value reads next to them. Each must answer as on a plain (DDP)
-# parameter or raise ShardedParameterError, and alike on both transports.
+# parameter (or raise ShardedParameterError where no answer could be DDP's), and alike on both transports.
 METADATA_LOOKING_READS: dict[str, Callable[[torch.nn.Parameter], Any]] = {
     "bool": bool, "item": lambda p: p.item(), "float": float, "int": int, "index": operator.index,
     "isnan": math.isnan, "round": round, "len": len, "tolist": lambda p: p.tolist(), "iter": list,
@@ -157,7 +161,19 @@ def _outcome(read: Callable[[torch.nn.Parameter], Any], param: torch.nn.Paramete
         return (REFUSED, None)
     except Exception as error:  # what a plain parameter raises too (round, a format spec): compared by type
         return ("raised", type(error).__name__)
-    return ("value", value.detach().clone() if isinstance(value, torch.Tensor) else value)
+    return ("value", _comparable(value))
+
+
+def _comparable(value: Any) -> Any:
+    """A result as a plain value or tensor that ``==`` / torch.equal can compare (iter(p) gives rows, numpy an
+    array)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().as_subclass(torch.Tensor)  # plain, whatever subclass the read returned
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        return torch.stack([v.detach().clone().as_subclass(torch.Tensor) for v in value])
+    if type(value).__module__ == "numpy":
+        return torch.from_numpy(value.copy())
+    return value
 
 
 def reads_worker(rank: int, world: int, collectives: str) -> dict:
@@ -197,9 +213,147 @@ def test_every_metadata_looking_read_answers_as_ddp_or_refuses_alike_on_both_tra
                     assert torch.equal(got, reference[1]), f"{name} {what}: {got} != {reference[1]}"
                 else:
                     assert got == reference[1], f"{name} {what}: {got!r} != {reference[1]!r} (plain)"
-    # the reads of values (and of the memory behind them) are refused, by name, on both transports
-    assert {"bool", "item", "float", "tolist", "iter", "data_ptr", "storage_offset", "eq",
-            "equal", "norm", "nonzero", "is_nonzero"} <= refused, refused
-    assert {"len", "numel", "shape", "dtype", "device", "requires_grad", "is_leaf"}.isdisjoint(refused), refused
+    # where the values are and `.data` are refused, by name, on both transports; every other read gives the values
+    assert refused == {"data_ptr", "storage_offset", "data"}, refused
     for name in shared["zero"]:  # the memory as it is: mapped on one host, freed on the network path
         assert shared["zero"][name][STORAGE_BYTES] > 0 and network["zero"][name][STORAGE_BYTES] == 0, name
+
+
+def every_rank_reads_worker(rank: int, world: int, stage: int, collectives: str) -> dict:
+    """Code written for DDP, every rank: ``before = w.clone()`` and a norm before the step, the change after it."""
+    reference = make_model()
+    ddp = DistributedDataParallel(reference)
+    model = make_model()
+    out: dict = {"ddp": [], "zero": []}
+    zero_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ZeroEngine(model, [zero_opt], ZeroConfig(stage=stage, collectives=collectives))
+    out["host_shared"] = engine.comms.host_shared
+    for name, module, wrapped, optimizer in (
+        ("ddp", reference, ddp, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)),
+        ("zero", model, model, zero_opt),
+    ):
+        for (tokens,) in make_batches(2, 1, 8):
+            lm_loss(wrapped, rank_slice(tokens, rank, world)).backward()
+            weight = module.blocks[1].fc.weight
+            before = weight.clone()  # grad mode on, as in training_step
+            norm = float(weight.norm())
+            engine.optimizer_step(optimizer) if name == "zero" else optimizer.step()
+            optimizer.zero_grad()
+            delta = (weight - before).detach()
+            out[name].append({"before": before.detach(), "delta": delta, "norm": torch.tensor(norm),
+                              "moved": torch.tensor(float(not torch.equal(weight, before))),
+                              "tolist": torch.tensor(module.blocks[0].fc.bias.tolist())})
+    engine.release()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("stage", "collectives"), [(1, "auto"), (2, "auto"), (3, "auto"), (3, "point_to_point")],
+                         ids=["zero1", "zero2", "zero3", "zero3_point_to_point"])
+def test_reads_every_rank_makes_give_ddps_values(stage: int, collectives: str, world: int) -> None:
+    for rank, result in enumerate(run_ranks(every_rank_reads_worker, world, stage, collectives, timeout_s=250)):
+        assert result["host_shared"] == (stage == 3 and collectives == "auto" and world == 2)
+        for step, (got, ref) in enumerate(zip(result["zero"], result["ddp"], strict=True)):
+            assert_state_close(got, ref, rel=1e-5, what=f"rank {rank} step {step}")
+            assert got["moved"].item() == 1.0, "the step moved the weight: the read before it is not a view"
+
+
+def rank_zero_worker(rank: int, world: int, collectives: str, write: bool) -> dict:
+    """Rank 0 alone reads (or changes) a parameter, then every rank trains a step."""
+    reference = make_model()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = ZeroConfig(stage=3, collectives=collectives, process_group_timeout_s=15)
+    engine = ZeroEngine(model, [optimizer], config)
+    out: dict = {"host_shared": engine.comms.host_shared}
+    started = time.monotonic()
+    try:
+        if rank == 0 and write:
+            with torch.no_grad():
+                model.blocks[1].fc.weight.mul_(0.5)
+        elif rank == 0:
+            out["read"] = model.blocks[1].fc.weight.detach().clone()
+            out["reference"] = reference.blocks[1].fc.weight.detach().clone()
+        (tokens,) = make_batches(1, 1, 8)[0]
+        lm_loss(model, rank_slice(tokens, rank, world)).backward()
+        engine.optimizer_step(optimizer)
+        out["outcome"] = "trained"
+    except Exception as error:  # what each rank sees
+        out["outcome"] = f"{type(error).__name__}: {error}"
+    out["seconds"] = time.monotonic() - started
+    if out["outcome"] == "trained":
+        engine.release()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collectives", [*TRANSPORTS, "native"])
+def test_a_read_only_rank_zero_makes_answers_or_stops_every_rank_naming_the_parameter(collectives: str) -> None:
+    """gloo's own collectives ("native") carry no label: such gathers go point-to-point there, and end the same."""
+    results = run_ranks(rank_zero_worker, 2, collectives, False, timeout_s=120, pg_timeout_s=60)
+    assert [r["host_shared"] for r in results] == [collectives == "auto"] * 2
+    if collectives == "auto":  # read in place, no exchange: DDP's value, and training goes on
+        torch.testing.assert_close(results[0]["read"], results[0]["reference"], rtol=0, atol=0)
+        assert [r["outcome"] for r in results] == ["trained", "trained"]
+        return
+    for rank, result in enumerate(results):  # through the network: a gather only rank 0 made, caught by the watch
+        assert result["outcome"].startswith("DivergedGathersError"), f"rank {rank}: {result['outcome']}"
+        assert "blocks.1.fc.weight" in result["outcome"] and "gathered_parameters()" in result["outcome"]
+        assert result["seconds"] < 30, f"rank {rank} stopped after {result['seconds']:.0f} s, not within seconds"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collectives", TRANSPORTS)
+def test_a_change_only_rank_zero_makes_stops_every_rank_and_changes_nothing(collectives: str) -> None:
+    results = run_ranks(rank_zero_worker, 2, collectives, True, timeout_s=200, pg_timeout_s=60)
+    outcomes = [r["outcome"] for r in results]
+    assert "trained" not in outcomes, outcomes
+    # rank 0 names the parameter: through the network within seconds (the watch), on one host's shared memory
+    # after process_group_timeout_s (its exchange pairs only with the same change on the peers, which never comes)
+    assert "blocks.1.fc.weight" in outcomes[0] and "every rank" in outcomes[0], outcomes[0]
+    if collectives == "point_to_point":
+        assert all("blocks.1.fc.weight" in outcome for outcome in outcomes), outcomes
+        assert all(r["seconds"] < 30 for r in results), [r["seconds"] for r in results]
+
+
+def refused_changes_worker(rank: int, world: int, collectives: str) -> dict:
+    model = make_model()
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3,
+                                                                                        collectives=collectives))
+    weight = model.blocks[1].fc.weight
+    before = weight.detach().clone()
+    attempts = {
+        "through a view": lambda: weight.detach().mul_(2.0),
+        "through an index": lambda: weight[0].zero_(),
+        "through view_as (nn.init.orthogonal_)": lambda: torch.nn.init.orthogonal_(weight),
+        "autograd on": lambda: weight.mul_(2.0),
+        "data": lambda: weight.data.mul_(2.0),
+    }
+    out: dict = {"host_shared": engine.comms.host_shared}
+    for what, attempt in attempts.items():
+        try:
+            if what == "autograd on":
+                attempt()
+            else:
+                with torch.no_grad():
+                    attempt()
+            out[what] = "no error"
+        except (ShardedParameterError, RuntimeError) as error:
+            out[what] = f"{type(error).__name__}: {error}"
+    out["unchanged"] = bool(torch.equal(weight.detach(), before))
+    engine.release()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collectives", TRANSPORTS)
+def test_changes_that_cannot_reach_the_masters_are_refused_before_anything_changes(collectives: str) -> None:
+    for rank, result in enumerate(run_ranks(refused_changes_worker, 2, collectives, timeout_s=100)):
+        assert result.pop("host_shared") == (collectives == "auto")
+        assert result.pop("unchanged"), f"rank {rank}: a refused change modified the weight"
+        for what, outcome in result.items():
+            if what == "autograd on":  # torch's own error, as under DDP
+                assert "leaf Variable that requires grad" in outcome, outcome
+            else:
+                assert outcome.startswith("ShardedParameterError") and "blocks.1.fc.weight" in outcome, (what, outcome)

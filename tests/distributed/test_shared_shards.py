@@ -190,6 +190,7 @@ def in_place_change_worker(rank, world_size, change):
     model = make_model(n_blocks=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives="auto"))  # shared memory
+    halved = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, micro_batches in enumerate(make_batches(3, 2, 8)):
@@ -197,18 +198,23 @@ def in_place_change_worker(rank, world_size, change):
             for tokens in micro_batches:  # accumulation: two uses of every unit per step
                 lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
             engine.optimizer_step(optimizer)
-            if change and step == 0:  # (outside forward a stage-3 parameter is only usable in gathered_parameters)
+            if change and step == 0:
+                weight = model.blocks[1].fc.weight
+                before = weight.detach().clone()
                 with engine.gathered_parameters(), torch.no_grad():
-                    model.blocks[1].fc.weight.mul_(0.5)  # every rank halves the same memory: a quarter
+                    weight.mul_(0.5)  # every rank halves its own copy; the release takes it in once
+                halved = bool(torch.equal(weight.detach(), before * 0.5))
     engine.release()
-    return [str(w.message) for w in caught if "changed in place outside the optimizer" in str(w.message)]
+    return {"halved": halved,
+            "messages": [str(w.message) for w in caught if "changed in place outside" in str(w.message)]}
 
 
 @pytest.mark.timeout(60)
-def test_an_in_place_change_to_a_host_wide_parameter_is_reported_and_training_alone_is_not():
-    """A change every rank makes in place lands on the one host-wide buffer once per rank: it is named in a
-    warning at the unit's next release. The engine's own writes (optimizer steps, accumulation) never warn."""
+def test_an_in_place_change_inside_gathered_parameters_lands_once_and_training_alone_is_silent():
+    """A change every rank makes inside gathered_parameters() is made on each rank's own copy and taken into the
+    masters once at the release (not once per rank on the host-wide buffer); the engine's own writes (optimizer
+    steps, accumulation) are never taken for a user's change."""
     changed = run_ranks(in_place_change_worker, 2, True, timeout_s=50)
-    for rank, messages in enumerate(changed):
-        assert len(messages) == 1 and "blocks.1.fc.weight" in messages[0], f"rank {rank}: {messages}"
-    assert run_ranks(in_place_change_worker, 2, False, timeout_s=50) == [[], []]
+    for rank, result in enumerate(changed):
+        assert result == {"halved": True, "messages": []}, f"rank {rank}: {result}"
+    assert run_ranks(in_place_change_worker, 2, False, timeout_s=50) == [{"halved": None, "messages": []}] * 2

@@ -33,7 +33,7 @@ class Patterns(pl.LightningModule):
         self.seen["deepcopy"] = {k: v.detach().clone() for k, v in copy.deepcopy(self.net).state_dict().items()}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        try:  # a plain read outside forward: under ZeRO stage 3 a clear error, never garbage
+        try:  # a plain read outside forward, every rank: DDP's values at every stage
             self.seen["outside_read"].append(float(self.net.blocks[1].fc.weight.sum()))
         except ShardedParameterError as error:
             self.seen["outside_read"].append(str(error))

@@ -41,8 +41,11 @@ def _parameter_lifecycle(rank: int, world: int) -> list[dict]:
         flat.reshard()
         states = [flat.state.name]
         sharded_bytes = flat.storage.full.resident_bytes
+        # a read outside forward (every rank makes it) gathers for the read and lets go again; `.data` is refused
+        read_sum = bool(torch.equal(flat.params[0].sum(), whole[name_of[id(flat.params[0])]].sum()))
+        states.append(flat.state.name)
         try:
-            flat.params[0].sum()
+            flat.params[0].data  # noqa: B018 (the read under test)
             read_while_sharded = "no error"
         except ShardedParameterError as error:
             read_while_sharded = str(error)
@@ -61,6 +64,7 @@ def _parameter_lifecycle(rank: int, world: int) -> list[dict]:
             "names": [name_of[id(param)] for param in flat.params], "states": states, "whole_values": whole_values,
             "sharded_bytes": sharded_bytes, "gathered_bytes": gathered_bytes,
             "full_bytes": flat.spec.layout.padded_numel * 4, "read_while_sharded": read_while_sharded,
+            "read_sum": read_sum,
         })
     engine.release(full=True)
     return walked
@@ -73,7 +77,9 @@ def test_a_stage3_flat_param_moves_through_its_states_and_gathers_every_slice(wo
     assert len(ranks[0]) >= 2, "the model's Linear layers make several units that stage 3 frees between uses"
     for rank, walked in enumerate(ranks):
         for flat in walked:
-            assert flat["states"] == ["SHARDED", "GATHERING", "UNSHARDED", "SHARDED", "UNSHARDED", "SHARDED"], rank
+            assert flat["states"] == ["SHARDED", "SHARDED", "GATHERING", "UNSHARDED", "SHARDED", "UNSHARDED",
+                                      "SHARDED"], rank
+            assert flat["read_sum"], f"rank {rank}: a read outside forward gives the whole parameter's values"
             assert flat["whole_values"], f"rank {rank}: gathered {flat['names']} differ from the whole parameters"
             assert (flat["sharded_bytes"], flat["gathered_bytes"]) == (0, flat["full_bytes"]), rank
             assert flat["names"][0] in flat["read_while_sharded"], flat["read_while_sharded"]

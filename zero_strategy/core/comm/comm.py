@@ -19,6 +19,15 @@ from zero_strategy.core.comm.group import Group
 from zero_strategy.core.comm.log import CommunicationLog
 from zero_strategy.core.comm.work import Work
 
+OUTSIDE_FORWARD = " outside forward"
+"""How the label of a gather for a stage-3 parameter used outside forward ends (core/flat/outside_forward.py): the
+point-to-point transport gives such gathers a tag family of their own, the divergence watch names them."""
+
+
+class DivergedGathersError(RuntimeError):
+    """The ranks gathered different stage-3 units (or a parameter outside forward on some ranks only) and can never
+    complete the exchanges they wait on (see [Note: diverging gathers] in watch.py)."""
+
 
 class ReduceOp(Enum):
     SUM = "sum"
@@ -101,6 +110,14 @@ class Comm(ABC):
     @abstractmethod
     def all_gather_object(self, obj: Any, label: str) -> list[Any]:
         """Every rank's picklable object, in rank order (small control data). Blocking."""
+
+    @property
+    def pairing_by_label(self) -> Comm:
+        """The Comm to make an exchange that only some ranks may post through (a stage-3 parameter changed outside
+        forward): one whose exchange never pairs with a peer's exchange of another kind or label, so that a rank
+        left alone waits (for the watch or the timeout) instead of mixing bytes. Most transports tag their
+        exchanges; shared memory pairs by sequence, and hands out its network Comm."""
+        return self
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def verify_step(self) -> None:  # noqa: B027 (a hook most transports leave empty)

@@ -2,6 +2,11 @@
 
 The bytes handed to each collective are counted under the link ``"collective"``: the backend alone decides which
 peer receives what (see [Note: counting bytes where they move] in log.py).
+
+The backend's collectives carry no label: a collective only some ranks make pairs with whatever collective the
+peers make next. So on gloo the gathers of a stage-3 parameter used outside forward (which a rank may make alone,
+see [Note: parameters outside forward] in core/flat/access.py) go through tagged point-to-point exchanges instead,
+which never pair with a collective: a rank left alone waits, and the divergence watch stops every rank.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_strategy.core.comm.backend import BackendComm
-from zero_strategy.core.comm.comm import ReduceOp
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, ReduceOp
 from zero_strategy.core.comm.group import check_device, on_collective_device
 from zero_strategy.core.comm.log import COLLECTIVE_PEER
+from zero_strategy.core.comm.point_to_point import PointToPointComm
 from zero_strategy.core.comm.work import Work
 
 _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -25,7 +31,15 @@ class NativeComm(BackendComm):
     def _handed(self, kind: str, nbytes: int) -> None:
         self.log.record_moved(kind, self.group.me, COLLECTIVE_PEER, nbytes)
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._tagged: PointToPointComm | None = None  # gloo: the gathers some ranks may make alone (see above)
+
     def all_gather(self, output: Tensor, shard: Tensor, label: str) -> Work:
+        if label.endswith(OUTSIDE_FORWARD) and self.group.backend == "gloo":
+            if self._tagged is None:
+                self._tagged = PointToPointComm(self.group, self.log)
+            return self._tagged.all_gather(output, shard, label)
         self.log.record_call("all_gather", output.numel() * output.element_size())
         check_device(output, self.group, "all-gather output")
         # a collective must not read the buffer it writes (the shard may be this rank's chunk of the output)

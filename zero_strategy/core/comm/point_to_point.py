@@ -19,7 +19,9 @@ times out, or is caught by the divergence watch) instead of silently receiving a
 and reductions count separately: each kind is issued in one order on every rank, but at stage 3 a rank may post a
 reduction before a gather that a peer posts after it (see [Note: collective order] in
 runtime/backward_reductions.py). A gather's tag also carries a checksum of its label (the unit), so gathers of
-different units never pair up.
+different units never pair up. The gathers of a stage-3 parameter used outside forward (a read or a change some
+ranks may make alone) are a family of their own, with their own count: they never pair with a unit's gather,
+however the checksums fall (a rank left alone waits, and the divergence watch stops every rank).
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_strategy.core.comm.backend import BackendComm
-from zero_strategy.core.comm.comm import ReduceOp
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, ReduceOp
 from zero_strategy.core.comm.group import check_device, on_collective_device
 from zero_strategy.core.comm.work import Work
 
 _TAG_LIMIT = 2**31  # gloo tags are non-negative 32-bit integers
-_SALTS = 512  # a gather's tag packs (gather number, label checksum); gathers' tags are even, the others odd
-_GATHER, _OTHER = 0, 1
+_SALTS = 512  # a gather's tag packs (gather number, label checksum)
+_GATHER, _OTHER, _OUTSIDE_FORWARD = 0, 1, 2  # tag families: tag % 4 is 0, 1, 2 (see the Note)
 
 
 class PointToPointComm(BackendComm):
@@ -46,14 +48,14 @@ class PointToPointComm(BackendComm):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._issued = [0, 0]  # exchanges issued so far, per tag family
+        self._issued = [0, 0, 0]  # exchanges issued so far, per tag family
 
     def _tag(self, family: int, label: str = "") -> int:
         number = self._issued[family]
-        self._issued[family] = (number + 1) % (_TAG_LIMIT // (2 * _SALTS))
-        if family == _GATHER:
-            return 2 * (number * _SALTS + zlib.crc32(label.encode()) % _SALTS)
-        return 2 * number + 1
+        self._issued[family] = (number + 1) % (_TAG_LIMIT // (4 * _SALTS))
+        if family == _OTHER:
+            return 4 * number + _OTHER
+        return 4 * (number * _SALTS + zlib.crc32(label.encode()) % _SALTS) + family
 
     def _exchange(
         self, kind: str, sends: dict[int, Tensor], receives: dict[int, Tensor], tag: int, finish: Callable[[], Tensor]
@@ -108,7 +110,8 @@ class PointToPointComm(BackendComm):
     def all_gather(self, output: Tensor, shard: Tensor, label: str) -> Work:
         self.log.record_call("all_gather", output.numel() * output.element_size())
         check_device(output, self.group, "all-gather output")
-        return self._gather_into(output, shard, "all_gather", self._tag(_GATHER, label))
+        family = _OUTSIDE_FORWARD if label.endswith(OUTSIDE_FORWARD) else _GATHER
+        return self._gather_into(output, shard, "all_gather", self._tag(family, label))
 
     def reduce_scatter(self, flat: Tensor, label: str, out: Tensor | None = None) -> Work:
         self.log.record_call("reduce_scatter", flat.numel() * flat.element_size())

@@ -34,6 +34,11 @@ class SharedMemoryComm(Comm):
         """Exchanges this rank has posted through shared memory."""
         return self._exchange.posted
 
+    @property
+    def pairing_by_label(self) -> Comm:
+        """The arenas pair exchanges by sequence alone: the network's tagged exchanges (see Comm)."""
+        return self._network
+
     def fits(self, nbytes: int) -> bool:
         return not self._closed and self._exchange.fits(nbytes)
 

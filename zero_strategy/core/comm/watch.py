@@ -40,6 +40,10 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from zero_strategy.core.comm.comm import OUTSIDE_FORWARD, DivergedGathersError
+
+__all__ = ["DivergedGathersError", "GatherWatch", "WatchState", "remedy"]
+
 PATIENCE_S = 5.0
 """A wait longer than this consults the peers: long enough that a healthy step never reaches it on a loaded CI
 machine, short enough that a diverged run stops within seconds."""
@@ -47,10 +51,6 @@ POLL_S = 0.5
 
 T = TypeVar("T")
 KINDS = ("gather", "reduce", "collective")  # exchanges counted separately: each kind has its own order
-
-
-class DivergedGathersError(RuntimeError):
-    """The ranks gathered different stage-3 units and can never complete the exchanges they wait on."""
 
 
 _STOP = object()  # the job that ends the waiter thread
@@ -76,6 +76,7 @@ class GatherWatch:
         self.history: deque[tuple[int, str]] = deque(maxlen=64)  # (gather number, unit) of the latest gathers
         self._episode = 0
         self.fingerprint = 0  # checksum of the units gathered since the last take_fingerprint
+        self.verdict: str | None = None  # why the ranks diverged, once they did: every later wait raises it
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="zero-gather-watch", daemon=True)
         self._thread.start()
@@ -109,6 +110,7 @@ class GatherWatch:
         """``wait()`` in the waiter thread; past the patience, find out whether the peers can ever answer."""
         if self.state is WatchState.CLOSED:
             raise RuntimeError("the divergence watch was closed with its engine; this exchange belongs to no engine")
+        self.raise_if_diverged(what)
         outcome: list[Any] = []
         done = threading.Event()
         self._jobs.put((wait, outcome, done))
@@ -117,6 +119,13 @@ class GatherWatch:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[1]  # type: ignore[no-any-return]
+
+    def raise_if_diverged(self, what: str) -> None:
+        """After a verdict nothing more can be exchanged (the waiter thread is still stuck in the exchange that
+        diverged, and the peers are stopping): any later exchange (a teardown's gather) raises the verdict again."""
+        if self.verdict is not None:
+            raise DivergedGathersError(f"{self.verdict} (an earlier exchange of this engine diverged: {what} cannot "
+                                       "run)")
 
     def call(self, what: str, collective: Callable[[], T]) -> T:
         """Post and wait for a blocking collective of the engine's own (agreement, buffer broadcast)."""
@@ -149,6 +158,7 @@ class GatherWatch:
                 verdict = self._verdict(previous)
                 if verdict is not None:
                     self._agree_to_stop(verdict)
+                    self.verdict = verdict
                     raise DivergedGathersError(verdict)
                 previous = self._read_all()
             except RuntimeError as error:  # the store's host (rank 0's process) is gone: a peer stopped
@@ -223,12 +233,22 @@ def _message(states: list[dict]) -> str:
     )
     gathers = [dict(map(tuple, state["history"])) for state in states]  # type: ignore[arg-type]
     first_difference = ""
+    labels = {state["waiting"][2] for state in states}  # what the ranks wait for, and their first difference
     for number in sorted(set.intersection(*(set(g) for g in gathers))):
         units = [g[number] for g in gathers]
         if len(set(units)) > 1:
+            labels.update(units)
             first_difference = f" Gather #{number} was " + ", ".join(
                 f"{unit!r} on rank {rank}" for rank, unit in enumerate(units)) + "."
             break
+    reads = sorted(label for label in labels if label.endswith(OUTSIDE_FORWARD))
+    if reads:  # a parameter used outside forward on some ranks only (see [Note: parameters outside forward])
+        return (
+            f"ZeRO stage 3: a {reads[0]} was made on some ranks only, and through the network it is a gather every "
+            f"rank must make: the ranks wait on each other forever: {waits}.{first_difference} Use the parameter "
+            "on every rank (log from rank 0 only), or read it inside `with trainer.strategy.gathered_parameters():` "
+            "(`engine.gathered_parameters()`) entered by every rank."
+        )
     return (
         "ZeRO stage 3: the ranks gathered different units (a module called on some ranks only, e.g. experts routed "
         f"per rank) and wait on each other forever: {waits}.{first_difference} " + _REMEDY

@@ -39,9 +39,13 @@ class WatchedComm(Comm):
         return Work(lambda: self.watch.wait(kind, number, label, work.wait))
 
     def all_gather(self, output: Tensor, shard: Tensor, label: str) -> Work:
+        if not self._closed:
+            self.watch.raise_if_diverged(label)
         return self._watched("gather", label, self._inner.all_gather(output, shard, label))
 
     def reduce_scatter(self, flat: Tensor, label: str, out: Tensor | None = None) -> Work:
+        if not self._closed:
+            self.watch.raise_if_diverged(label)
         return self._watched("reduce", label, self._inner.reduce_scatter(flat, label, out))
 
     def reduce_input(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -53,7 +57,7 @@ class WatchedComm(Comm):
 
     def _call(self, label: str, exchange: Callable[[], T]) -> T:
         """A blocking exchange of the engine's own, posted and waited for through the watch."""
-        return exchange() if self._closed else self.watch.call(label, exchange)
+        return exchange() if self._closed else self.watch.call(label, exchange)  # raises a verdict before it runs
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, label: str) -> Work:
         return Work.done(self._call(label, lambda: self._inner.all_reduce(tensor, op, label).wait()))

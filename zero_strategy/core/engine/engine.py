@@ -35,6 +35,7 @@ from zero_strategy.core.engine.buffers import broadcast_buffers
 from zero_strategy.core.engine.build import build_parts
 from zero_strategy.core.engine.ddp_gradients import DdpGradients
 from zero_strategy.core.engine.fused_steps import install_fused_steps, remove_fused_steps
+from zero_strategy.core.engine.in_place_changes import take_in_place_changes
 from zero_strategy.core.engine.optimizer import bind_optimizer, remove_zero_grad_hook
 from zero_strategy.core.engine.release import gather_into_module, leave_sharded
 from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
@@ -156,7 +157,8 @@ class ZeroEngine:
 
     def named_flat_params(self) -> Iterator[tuple[str, FlatParam, tuple[int, ...]]]:
         """(stable key, FlatParam, the optimizers that step it) for every FlatParam, in unit order (checkpoints use
-        the key)."""
+        the key). Changes made in place since the last step reach the masters first: a save writes them."""
+        take_in_place_changes(self.flat_params)  # see [Note: in-place changes outside the optimizer]
         for flat in self.flat_params:
             yield flat.spec.key, flat, flat.optimizers
 
@@ -260,6 +262,7 @@ class ZeroEngine:
         parameters — unless :meth:`StepWindow.skip` was called (an fp16 overflow): then the gradients are dropped
         on every rank and nothing moves. An exception inside leaves the step unfinished and propagates."""
         index = self.optimizer_index(optimizer)
+        take_in_place_changes(self.windows.flats_of(index))  # see [Note: in-place changes outside the optimizer]
         self.windows.enter(index)
         window = StepWindow()
         yield window
@@ -300,8 +303,8 @@ class ZeroEngine:
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Make every parameter of the module whole for the duration of the block (e.g. ``state_dict()``)."""
-        for unit in self.units:
-            unit.unshard()
+        for flat in self.flat_params:  # a change made inside is this rank's until the release takes it in
+            flat.unshard_private()
         try:
             yield
         finally:

@@ -23,9 +23,10 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
+from zero_strategy.core.flat import master_writes
 from zero_strategy.core.flat.access import mark_owner, unwrap, wrap
 from zero_strategy.core.flat.grads import GradientSlices
-from zero_strategy.core.flat.in_place_watch import GATHERED, HOST_WIDE, InPlaceWatch
+from zero_strategy.core.flat.in_place_watch import InPlaceWatch
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.secondary import SecondaryCopy
 from zero_strategy.core.flat.storage import FlatStorage
@@ -80,6 +81,7 @@ class FlatParam:
         self.state = ParamState.UNSHARDED
         self._gather: Work | None = None  # in flight while GATHERING
         self._gather_fills_secondary = False  # the gather in flight comes from the world and refreshes `secondary`
+        self._private: Tensor | None = None  # host-wide buffer: this rank's copy inside gathered_parameters()
         for span, param in zip(spec.layout.spans, self.params, strict=True):
             view = full[span.offset : span.end].view(span.shape)
             if param.is_meta:  # `.data` of a meta parameter cannot point at real storage: make it real first
@@ -161,8 +163,9 @@ class FlatParam:
             reader.__self__.forget(self, index)
 
     # ----------------------------------------------------------------------------------- shard / unshard
-    def start_unshard(self) -> None:
-        """Start gathering every rank's slice into the full buffer (asynchronously where possible)."""
+    def start_unshard(self, label: str | None = None) -> None:
+        """Start gathering every rank's slice into the full buffer (asynchronously where possible). ``label``: what
+        the gather is for, when not the unit's own use (see [Note: parameters outside forward] in access.py)."""
         if self.state is not ParamState.SHARDED:
             return
         full = self.storage.full
@@ -173,16 +176,16 @@ class FlatParam:
         full.allocate()
         secondary = self.secondary
         if secondary is not None and secondary.fresh:  # hierarchical stage 3: gathered inside the node
-            self._gather = secondary.start_gather(full.tensor, self.label)
+            self._gather = secondary.start_gather(full.tensor, label or self.label)
         else:
-            self._gather = self.comm.all_gather(full.tensor, self.storage.gather_source(), self.label)
+            self._gather = self.comm.all_gather(full.tensor, self.storage.gather_source(), label or self.label)
             self._gather_fills_secondary = secondary is not None
         self.state = ParamState.GATHERING
 
-    def unshard(self) -> None:
+    def unshard(self, label: str | None = None) -> None:
         """Make the module's parameters usable: start a gather if none is in flight, and wait for it."""
         if self.state is ParamState.SHARDED:
-            self.start_unshard()
+            self.start_unshard(label)
         if self.state is ParamState.GATHERING:
             self._land_gather()
 
@@ -206,7 +209,8 @@ class FlatParam:
             self._land_gather()
         if self.state is ParamState.SHARDED:
             return
-        self.in_place.check(HOST_WIDE if self.storage.full.readable_in_place else GATHERED)
+        private, self._private = self._private, None
+        master_writes.take_changes_at_release(self, private)  # see [Note: in-place changes outside the optimizer]
         self.storage.full.free()
         self.state = ParamState.SHARDED
         wrap(self.params)  # see [Note: parameters outside forward] in access.py
@@ -239,10 +243,11 @@ class FlatParam:
         return self.storage.full.tensor
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """The full values for the duration of the block, then the state before it (a collective at stage 3)."""
+    def gathered(self, label: str | None = None) -> Iterator[None]:
+        """The full values for the duration of the block, then the state before it (a collective at stage 3 on the
+        network path; ``label`` names the gather for the divergence watch when it is not the unit's own use)."""
         was_sharded = self.state is ParamState.SHARDED
-        self.unshard()
+        self.unshard(label)
         try:
             yield
         finally:
@@ -254,6 +259,31 @@ class FlatParam:
         if self.state is ParamState.GATHERING:
             self._land_gather()
         unwrap(self.params)
+
+    def land_prefetch(self) -> None:
+        """A gather in flight (a prefetch) lands now; the parameters take their own class."""
+        if self.state is ParamState.GATHERING:
+            self._land_gather()
+
+    def write_whole(self, whole: Tensor, label: str) -> None:
+        """See master_writes.write_whole (a collective)."""
+        master_writes.write_whole(self, whole, label, in_use=self.state is ParamState.UNSHARDED)
+
+    def take_in_place_changes(self) -> list[str]:
+        """Stages 1/2 with masters apart from the parameters: the parameters changed in place since the last step
+        take this rank's ranges into its master slice before the step (see master_writes.take_changes). Local."""
+        return master_writes.take_changes(self, self.storage.full.tensor)
+
+    def unshard_private(self) -> None:
+        """``gathered_parameters()``: the full values where a change made in place stays this rank's own until the
+        release takes it into the masters (see [Note: in-place changes outside the optimizer]). A private gathered
+        buffer is that already; a host-wide one is copied, so that a change every rank makes lands once per rank."""
+        if not (self.storage.full.readable_in_place and self.state is ParamState.SHARDED):
+            self.unshard()
+            return
+        unwrap(self.params)
+        self._private = master_writes.private_copy(self)
+        self.state = ParamState.UNSHARDED
 
     # ------------------------------------------------------------------------------------ initial values
     def write_initial_value(self, index: int, value: Tensor) -> None:

@@ -1,26 +1,41 @@
-"""Changes made to a module parameter in place, outside the optimizer, that ZeRO would lose or multiply.
+"""Changes made to module parameters in place, outside the optimizer: where ZeRO takes them into the masters, and
+where it can only say what became of them.
 
 [Note: in-place changes outside the optimizer]
 Under DDP a parameter is one tensor per rank: ``with torch.no_grad(): p.mul_(0.5)`` on every rank changes every
-replica, and the change stays. Under ZeRO a module parameter is a view of a flat buffer that is not the master copy
-everywhere, so the same line can silently do something else:
+replica, and the change stays. Under ZeRO the weights live in each rank's master slice (fp32 under mixed precision),
+and a module parameter is a view of a flat buffer that is not the master copy everywhere. What ZeRO does with such
+a change, made by every rank as under DDP:
 
-- stage 3 with gathers through the network (several hosts, offload): the parameter is a gathered temporary
-  copy; the change is lost when its unit is released (the master slices still hold the old values);
-- stage 3 on one host's CPUs: the parameter lives once per host in shared memory, so a change every rank makes is
-  applied once per rank (clamping or copying the same values is harmless, scaling or adding compounds);
-- stages 1/2 whose fp32 masters are kept apart from the parameters (bf16/fp16 parameters, offload): the next
-  optimizer step overwrites the parameters from the masters, and the change is lost.
-
-(Stages 1/2 in fp32 without offload keep DDP's behaviour: each rank's slice of the parameters *is* its master
-shard, so a change every rank makes stays, and no warning is given.)
+- stage 3 outside forward (the parameter's values are on other ranks): the change is applied by every rank to a
+  whole copy of the parameter's masters, in the masters' dtype, and each rank keeps its own range (see
+  core/flat/outside_forward.py). Exact on every transport, in bf16/fp16 (DDP's fp32 parameter) and with offload:
+  ``mul_``, ``copy_``, ``p[i] = v``, ``+=``, ``torch.nn.init``'s functions, ``reset_parameters()``. It is a
+  collective (a gather of the master slices): every rank must make it, as every DDP replica must. A change through a
+  view of the parameter (``p.detach().mul_()``, ``p[0].zero_()``, ``p.view(...).copy_()``, and so
+  ``nn.init.orthogonal_``) is refused, naming the parameter: outside forward a view is a copy (values_copy.py).
+  ``load_state_dict`` writes the masters itself (see [Note: loading a full state dict into the shards]).
+- stages 1/2 whose fp32 masters are kept apart from the parameters (bf16/fp16 parameters, offload): before the next
+  optimizer step (or a save) each rank takes the changed parameters' ranges into its master slice
+  (engine/in_place_changes.py). Exact in fp32 (offload); in bf16/fp16 the masters receive the change as the
+  parameters hold it, rounded to their dtype (DDP's fp32 parameter would keep the unrounded result), and a warning
+  says so. A change made inside the step
+  window itself (an optimizer hook) is overwritten by the step, and a warning says so.
+- stages 1/2 in fp32 without offload: each rank's slice of the parameters *is* its master shard: DDP's behaviour,
+  nothing to do.
+- stage 3 *inside* ``gathered_parameters()`` (the parameters are their own class there, nothing sees the change
+  as it is made): each rank changes its own copy (through the network the gathered buffer; on one host a private
+  copy of the host-wide buffer, made at entry), and the unit's release takes the changed parameters' ranges into
+  the masters (master_writes.py; on one host between two barriers): exact in fp32, rounded in bf16/fp16 (with a
+  warning). Inside forward through the network the same happens at the unit's release; on one host's shared memory
+  forward reads the host-wide buffer in place, where a change every rank makes lands once per rank: the release
+  raises :class:`ShardedParameterError` naming the parameter (after the fact: the buffer is changed by then).
 
 Each parameter that ``.data`` re-pointed at the flat buffer has its own version counter (see [Note: views into
 one flat buffer] in flat_param.py), which only in-place operations through that parameter move: the engine writes
 through other views (the gathered buffer, the master pieces, the shard), and autograd never writes parameters. So a
-moved counter at the point where the change would be lost (the unit's release; the optimizer step at stages 1/2)
-is a user's change, and is named in a warning there. Not seen: changes through ``p.data`` (a tensor with a
-counter of its own).
+moved counter is a user's change. Not seen: changes through ``p.data`` at stages 1/2 (a tensor with a counter of its
+own; at stage 3 outside forward ``.data`` is refused).
 """
 
 from __future__ import annotations
@@ -30,19 +45,26 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-GATHERED = (
-    "at stage 3 a gathered parameter is a temporary copy, so the change is lost when its unit is released (the "
-    "master slices keep the old values)."
-)
 HOST_WIDE = (
-    "at stage 3 on one host its values live once per host in shared memory, so a change every rank makes is "
-    "applied once per rank: clamping or copying in the same values is safe, scaling or adding to it compounds; "
-    "under bf16/fp16 the next optimizer step overwrites it."
+    "it was made inside forward, where at stage 3 on one host its values live once per host in shared memory, so a "
+    "change every rank makes lands once per rank (x0.25 for a mul_(0.5) on 2 ranks). Make it outside forward (with "
+    "torch.no_grad(): on every rank), or inside gathered_parameters(), where it is applied to the masters."
 )
 OVERWRITTEN = (
-    "the fp32 master weights are kept apart from the parameters here (bf16/fp16 parameters or offload), so the "
-    "next optimizer step overwrites the change from them."
+    "it was made during the optimizer step, after the masters (kept apart from the parameters here: bf16/fp16 "
+    "parameters or offload) took the changes made before it, so the step overwrote it. Change parameters before "
+    "or after the step."
 )
+ROUNDED = (
+    "the fp32 master weights took the change as the parameters hold it, rounded to their dtype (bf16/fp16); DDP's "
+    "fp32 parameter would keep the unrounded result. For an exact change, make it at stage 3 outside forward and "
+    "gathered_parameters() (where it is applied to the masters), or in fp32."
+)
+
+
+def warn_rounded(names: list[str]) -> None:
+    warnings.warn(f"ZeRO: {', '.join(names)} changed in place outside the optimizer; {ROUNDED}",
+                  InPlaceChangeWarning, stacklevel=5)
 
 
 class InPlaceChangeWarning(UserWarning):
@@ -61,6 +83,14 @@ class InPlaceWatch:
         """Take the current values as the baseline (after a write that is not a user's change)."""
         self._versions = [param._version for _, param in self._watched]
 
+    def take_changed(self) -> list[int]:
+        """The positions of the parameters changed in place since the last baseline, which becomes now."""
+        changed = [index for index, ((_, param), version) in enumerate(zip(self._watched, self._versions,
+                                                                          strict=True)) if param._version != version]
+        if changed:
+            self.forget()
+        return changed
+
     def check(self, consequence: str) -> None:
         """Warn, naming the parameters changed in place since the last check, with what becomes of the change."""
         changed = [
@@ -71,8 +101,7 @@ class InPlaceWatch:
             return
         self.forget()
         warnings.warn(
-            f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence} Change weights "
-            "through the optimizer or a checkpoint load instead.",
+            f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence}",
             InPlaceChangeWarning,
             stacklevel=3,
         )
