@@ -178,7 +178,7 @@ def walk_model_state(run: MethodRun) -> tuple[int, int, int]:
     sharers = {flat.full.untyped_storage().data_ptr(): world for flat in flats if flat.storage.full.readable_in_place}
     with torch.no_grad():
         param_bytes = _distinct_bytes(list(params.values()), seen, sharers)
-        # own_grad: counting the storages is not a user's read of p.grad (no ShardedGradientWarning)
+        # own_grad: counting the storages is not a user's read of p.grad (which would gather the averaged copy)
         grads = [own_grad(p) for p in params.values()]
         grad_bytes = _distinct_bytes([g for g in grads if g is not None], seen)
         states = [v for s in run.state_optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]

@@ -23,6 +23,7 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.engine.memory import memory_report
+from zero_strategy.core.flat.access import own_grad
 from zero_strategy.estimate import (
     CONFIGURATIONS,
     OPTIMIZER_STATE_BYTES,
@@ -56,7 +57,7 @@ def _model_state_bytes(engine: ZeroEngine) -> int:
 
 def _gradient_bytes(engine: ZeroEngine) -> int:
     """Module ``.grad``, the stage-1 fp32 stash (memory_report does not see it) and the master slices' ``.grad``."""
-    tensors = [p.grad for flat in engine.flat_params for p in flat.params]
+    tensors = [own_grad(p) for flat in engine.flat_params for p in flat.params]  # torch's, not a read
     tensors += [flat.grads.stash for flat in engine.flat_params]
     tensors += [piece.grad for flat in engine.flat_params for piece in flat.master_pieces]
     return StorageTally().bytes_of(tensors)
