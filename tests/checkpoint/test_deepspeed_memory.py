@@ -51,8 +51,10 @@ def _reset() -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak-RSS reset through /proc is Linux-only")
 def test_a_ranks_reads_cost_what_it_reads_not_the_checkpoint(tmp_path: Path) -> None:
     """The reads of rank 3 of an 8-rank resume: its 2 M elements of the weights and of both moments (8 MiB each,
-    3 reads, 24 MiB), opening the checkpoint included. Allowed: the process's own memory (RssAnon) 2 x one read +
-    8 MiB (the result, one transient, allocator slack) = 24 MiB; the peak RSS that plus the mapped pages the reads
+    3 reads, 24 MiB), opening the checkpoint included. Allowed: the process's own memory (RssAnon) the bytes read
+    + 8 MiB (slack) = 32 MiB: each result is freed before the next read, but inside a long test process glibc may
+    keep a freed 8 MiB block rather than reuse it (measured 24.0 MiB in the full suite, 8 MiB alone), so the bound
+    is what the reads return, not one read; the peak RSS 2 x one read + 8 MiB plus the mapped pages the reads
     touched, 3 x the bytes read (fault-around) = 96 MiB: under half the 224 MiB of files, which a loader without
     mapping holds whole (shown last, so the probe is seen to count such growth)."""
     size = _write(tmp_path / "ckpt") / MIB
@@ -67,7 +69,7 @@ def test_a_ranks_reads_cost_what_it_reads_not_the_checkpoint(tmp_path: Path) -> 
             assert got[0] == start + offset and got[-1] == start + count - 1 + offset
             del got
         growth = status_bytes("VmHWM") / MIB - base
-    assert anon_growth <= 2 * read_mib + 8, f"reading {read_mib:.0f} MiB ranges allocated {anon_growth:.1f} MiB"
+    assert anon_growth <= 3 * read_mib + 8, f"reading 3 x {read_mib:.0f} MiB ranges allocated {anon_growth:.1f} MiB"
     assert growth <= 2 * read_mib + 8 + 3 * 3 * read_mib, f"the reads raised the peak RSS by {growth:.1f} MiB"
     assert growth < size / 2
     base = _reset()
