@@ -18,7 +18,7 @@ _ENGINE_TWIN = {"ddp": "ddp", "fsdp2": "fsdp2_reshard_true", "zero1": "zero1", "
 
 
 class PathResult(Protocol):
-    """What this table reads of a method's result (``benchmark.MethodResult``)."""
+    """What this table reads of a method's result (``bench_report.MethodResult``)."""
 
     method: str
     step_times: list[float]

@@ -19,7 +19,7 @@ REFERENCES = (FLOOR, "ddp", "trainer_ddp")
 
 
 class TimedResult(Protocol):
-    """What this table reads of a method's result (``benchmark.MethodResult``)."""
+    """What this table reads of a method's result (``bench_report.MethodResult``)."""
 
     method: str
     step_times: list[float]
