@@ -192,6 +192,12 @@ class ZeroConfig:
     optimizer step crosses the world and fills that copy; every later gather (backward, further micro-steps) stays
     inside the group of K. Costs Ψ/K compute-dtype elements per rank. None: off."""
 
+    tensor_parallel_size: int = 1
+    """Tensor parallelism inside ZeRO: the world becomes a mesh ``data_parallel x tensor_parallel`` of K consecutive
+    ranks per TP group (inside a node), exposed to ``configure_model`` as ``self.device_mesh`` exactly as Lightning's
+    ModelParallelStrategy does; the user's ``parallelize_module`` plan runs over ``tensor_parallel`` and ZeRO shards
+    over ``data_parallel``. 1: off. K must divide the world size."""
+
     def __post_init__(self) -> None:
         if self.stage not in tuple(ZeroStage):
             raise ZeroConfigError(
@@ -240,6 +246,7 @@ class ZeroConfig:
                 "(the ranks of one node) or None (the whole world)."
             )
         self._validate_hierarchical()
+        self._validate_tensor_parallel()
         if self.process_group_timeout_s <= 0:
             raise ZeroConfigError(
                 f"process_group_timeout_s={self.process_group_timeout_s!r} must be a positive number of seconds."
@@ -274,6 +281,16 @@ class ZeroConfig:
                 "hierarchical_params is not supported with offload (the secondary copy would live next to the "
                 "offloaded shards); drop offload_optimizer/offload_param or hierarchical_params."
             )
+
+    def _validate_tensor_parallel(self) -> None:
+        value = self.tensor_parallel_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ZeroConfigError(f"tensor_parallel_size={value!r}: use a positive number of ranks per tensor-"
+                                  "parallel group that divides the world size (1: no tensor parallelism).")
+        if value > 1 and (self.shard_group_size is not None or self.hierarchical_params is not None):
+            raise ZeroConfigError("tensor_parallel_size does not combine with shard_group_size or "
+                                  "hierarchical_params yet: ZeRO shards over the whole data-parallel dimension. "
+                                  "Drop one of them.")
 
     def _validate_offload(self) -> None:
         for key in ("offload_optimizer", "offload_param"):

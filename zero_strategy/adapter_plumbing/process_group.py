@@ -15,14 +15,17 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zero_strategy.config import ZeroConfig
+from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.core.comm.control import barrier, broadcast_object  # the package's one barrier and broadcast
 from zero_strategy.core.comm.exit_teardown import destroy_process_group_at_exit
-from zero_strategy.core.plan.topology import RankLayout, Topology, build_rank_layout
+from zero_strategy.core.plan.topology import RankLayout, TensorParallelGroup, Topology, build_rank_layout
 
 __all__ = ["barrier", "broadcast_object", "destroy_after_spawned_run", "init_process_group", "rank_layout",
-           "reduce_tensor"]
+           "reduce_tensor", "tensor_parallel_mesh"]
+
+MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")  # the names Lightning's ModelParallelStrategy gives them
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
@@ -34,12 +37,32 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s:
         destroy_process_group_at_exit()
 
 
-def rank_layout(config: ZeroConfig, world_size: int, processes_per_node: int) -> RankLayout | None:
+def tensor_parallel_mesh(device_type: str, world_size: int, tensor_parallel_size: int) -> DeviceMesh | None:
+    """The 2-D mesh ``data_parallel x tensor_parallel`` (K consecutive ranks per TP group, inside a node, as
+    ModelParallelStrategy lays it out); None when ``tensor_parallel_size`` is 1. Collective: it creates both
+    dimensions' process groups."""
+    if tensor_parallel_size == 1:
+        return None
+    if world_size % tensor_parallel_size:
+        raise ZeroConfigError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world of {world_size} "
+                              "ranks: use a divisor of the number of processes (devices x nodes).")
+    shape = (world_size // tensor_parallel_size, tensor_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMENSIONS)
+
+
+def rank_layout(
+    config: ZeroConfig, world_size: int, processes_per_node: int, mesh: DeviceMesh | None = None
+) -> RankLayout | None:
     """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local rank),
-    and the shard / replica groups of ``shard_group_size``; None without a process group (one process)."""
+    and the shard / replica groups of ``shard_group_size``, or with a tensor-parallel ``mesh`` its data-parallel
+    group as the shard group; None without a process group (one process)."""
     if not _distributed_is_initialized():
         return None
     topology = Topology.uniform(world_size, processes_per_node)
+    if mesh is not None:
+        data, tensor = MESH_DIMENSIONS
+        place = TensorParallelGroup(mesh.get_group(tensor), mesh.get_local_rank(tensor), mesh.size(1))
+        return RankLayout(topology, mesh.get_group(data), tensor_parallel=place)
     return build_rank_layout(config.shard_group_size, topology, config.hierarchical_params)
 
 

@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
@@ -149,6 +147,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         )
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, self._process_group_backend, self.config.process_group_timeout_s)
+        self.build_device_mesh(self.root_device.type, self.world_size, self.lightning_module)
 
     # ------------------------------------------------------------------------------------------ optimizers
     @property
@@ -213,7 +212,7 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
         """Nodes as the cluster environment defines them (global rank = node rank × processes per node + local
         rank), and the shard / replica groups of ``shard_group_size``; built once (the groups outlive fit/test)."""
         if self._layout is None:
-            self._layout = rank_layout(self.config, self.world_size, self.num_processes)
+            self._layout = rank_layout(self.config, self.world_size, self.num_processes, self._device_mesh)
         return self._layout
 
     @classmethod

@@ -103,6 +103,11 @@ class EngineComms:
         self.secondary: Comm | None = None
         if layout.param_group is not None:
             self.secondary = self._streamed(network_comm(layout.param_group.group, config.collectives, log))
+        # tensor parallelism: the few exchanges that cross the TP dimension (see [Note: ZeRO over the data-parallel
+        # dimension of a 2-D mesh] in plan/tensor_parallel.py); None without it
+        self.tensor: Comm | None = None
+        if layout.tensor_parallel is not None and layout.tensor_parallel.size > 1:
+            self.tensor = network_comm(layout.tensor_parallel.group, config.collectives, log.prefixed("tensor_"))
         self.host_shared = False  # stage 3's gathered buffers are host-wide (set by host_shared_buffers)
         self._shared: SharedMemoryComm | None = None
         self._watched: Comm | None = None
@@ -226,7 +231,8 @@ class EngineComms:
 
     def close(self) -> None:
         """Stop what the comms own (the watch's thread, shared mappings). Idempotent."""
-        for comm in {id(c): c for c in (self._shared, self.network, self._world, self.secondary) if c}.values():
+        comms = (self._shared, self.network, self._world, self.secondary, self.tensor)
+        for comm in {id(c): c for c in comms if c}.values():
             comm.close()
         if self.replicas is not None:
             self.replicas.comm.close()

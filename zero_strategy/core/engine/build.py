@@ -29,6 +29,7 @@ from zero_strategy.core.init.materialize import (
 )
 from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.plan.tensor_parallel import local_part
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.runtime.compile_check import warn_compiled_around_units
@@ -122,6 +123,6 @@ def _initial_values(spec: FlatSpec, comms: EngineComms, device: torch.device) ->
     full = torch.zeros(spec.layout.padded_numel, dtype=spec.stored_dtype, device=device)
     with torch.no_grad():
         for span, (_, param) in zip(spec.layout.spans, spec.named_params, strict=True):
-            full[span.offset : span.end].copy_(param.detach().reshape(-1))
+            full[span.offset : span.end].copy_(local_part(param.detach()).reshape(-1))  # a DTensor: its block
     comms.network.broadcast(full, 0, f"initial values of {spec.label}").wait()
     return full

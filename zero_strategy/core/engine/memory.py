@@ -9,6 +9,7 @@ from torch import Tensor
 
 from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.flat.access import own_grad
+from zero_strategy.core.plan.tensor_parallel import local_part
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
             param_tensors.append(flat.secondary.values)
     parameters = storage_bytes(param_tensors, seen) + host_wide
     module_grads = [own_grad(p) for flat in engine.flat_params for p in flat.params]
-    grad_tensors = [g for g in module_grads if g is not None]
+    grad_tensors = [local_part(g) for g in module_grads if g is not None]  # a DTensor's bytes are its block's
     # stage 1 under bf16/fp16 accumulates in fp32 here until the step (see GradientSlices.stash_grad)
     grad_tensors += [flat.grads.stash for flat in engine.flat_params if flat.grads.stash is not None]
     grad_tensors += [p.grad for flat in engine.flat_params for p in flat.master_pieces if p.grad is not None]

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from zero_strategy.core.flat.access import forget_owner
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.param_values import point_at
 from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
 
 
@@ -41,7 +42,7 @@ def gather_into_module(flat: FlatParam) -> None:
     flat.own_shard()  # it may be a view of the gathered buffer (private or host-wide) or of a file, dropped below
     with torch.no_grad():
         for (_, values), param in zip(param_views(flat, whole), flat.params, strict=True):
-            param.data = values.clone()
+            point_at(param, values.clone())
             forget_owner(param)
     flat.storage.detach_full()
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam, ParamState
+from zero_strategy.core.plan.tensor_parallel import local_part
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 
 
@@ -72,7 +73,9 @@ class StateDictGathers:
         # use, read inside forward) at the end of backward; on one host, the next step writes it in place
         buffers = {flat.full.untyped_storage().data_ptr() for flat in self._flats if flat.state is ParamState.UNSHARDED}
         for key, value in state_dict.items():
-            if key.startswith(prefix) and isinstance(value, Tensor) and value.untyped_storage().data_ptr() in buffers:
+            if not (key.startswith(prefix) and isinstance(value, Tensor)):
+                continue
+            if local_part(value).untyped_storage().data_ptr() in buffers:  # a DTensor: its local block
                 state_dict[key] = value.clone()
         gathered, self._gathered = self._gathered, []
         for flat in gathered:

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.whole import own_parts
+from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 
 
@@ -68,12 +69,19 @@ class StateDictLoads:
             if not self._taken:
                 self._before_load()  # every rank: peers done reading the slices this writes
             self._taken.add(key)
+            if is_distributed(param) and not is_distributed(value):
+                error_msgs.append(f"{key} is a tensor-parallel parameter (a DTensor) and the value is a plain "
+                                  "tensor: load the DTensor its state_dict() gives, or load before "
+                                  "parallelize_module, or resume through a checkpoint.")
+                continue
             if not is_tensor_like(value) or tuple(value.shape) != tuple(param.shape):  # lazily loaded ones too
                 shape = tuple(value.shape) if is_tensor_like(value) else type(value).__name__
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
                                   f"the shape in current model is {tuple(param.shape)}.")
                 continue
-            _write_own_ranges(*owner, value)
+            # a tensor-parallel parameter: its own block of a DTensor value (a full value of the global shape would
+            # need the plan's split: load_state_dict it before parallelize_module, or through a checkpoint)
+            _write_own_ranges(*owner, local_part(value) if is_distributed(param) else value)
 
     def _after(self, module: nn.Module, incompatible_keys: Any) -> None:
         missing = incompatible_keys.missing_keys

@@ -179,17 +179,22 @@ class StepWindows:
     # ------------------------------------------------------------------------------------- reading the gradients
     def grad_norm(self, index: int, norm_type: float) -> Tensor:
         self.reduce(index)
-        return gradients.global_grad_norm(self.pieces_of(index), self.comms.shard, norm_type)
+        return gradients.global_grad_norm(self.pieces_of(index), self.comms.shard, norm_type, self._across(index))
 
     def clip_grad_norm(self, index: int, max_norm: float, norm_type: float) -> Tensor:
         self.reduce(index)
         self._changing(index)
-        return gradients.clip_by_global_norm(self.pieces_of(index), self.comms.shard, max_norm, norm_type)
+        return gradients.clip_by_global_norm(self.pieces_of(index), self.comms.shard, max_norm, norm_type,
+                                             self._across(index))
 
     def clip_grad_value(self, index: int, clip_value: float) -> None:
         self.reduce(index)
         self._changing(index)
         gradients.clip_by_value(self.pieces_of(index), clip_value)
+
+    def _across(self, index: int) -> gradients.AcrossTensorParallel | None:
+        """With tensor parallelism, how optimizer ``index``'s norm crosses the tensor-parallel group."""
+        return gradients.AcrossTensorParallel.of(self.flats_of(index), self.comms.tensor)
 
     def _changing(self, index: int) -> None:
         """Optimizer ``index``'s gradients are about to change here (clipping): copies made for reads are stale."""
@@ -204,7 +209,7 @@ class StepWindows:
             self.reduce(index)
             for flat in self.flats_of(index):
                 flat.grads.unscale(inv_scale)
-            step.overflow = gradients.find_overflow(self.pieces_of(index), self.comms.shard)
+            step.overflow = gradients.find_overflow(self.pieces_of(index), self.comms.shard, self.comms.tensor)
         return step.overflow
 
     def parameter_grad_norms(self, params: list[nn.Parameter], norm_type: float) -> list[Tensor | None]:
@@ -214,7 +219,8 @@ class StepWindows:
         located = [where.get(id(param)) for param in params]
         for index in sorted({o for entry in located if entry is not None for o in entry[0].optimizers}):
             self.reduce(index, advance=False)
-        return gradients.parameter_grad_norms(located, self.comms.shard, norm_type)
+        across = gradients.AcrossTensorParallel.of(self.flats_of(None), self.comms.tensor)
+        return gradients.parameter_grad_norms(located, self.comms.shard, norm_type, across)
 
     def first_nonfinite_param(self, index: int) -> str | None:
         return gradients.first_nonfinite_parameter(self.flats_of(index), self.comms.shard)

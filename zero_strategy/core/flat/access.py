@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from zero_strategy.core.flat.errors import SHARDED_MARKER, ShardedParameterError
 from zero_strategy.core.flat.grad_reads import answer_grad_read, is_grad_getter
 from zero_strategy.core.flat.outside_forward import run_outside_forward
+from zero_strategy.core.plan.tensor_parallel import is_distributed
 
 __all__ = ["ShardedParameterError", "forget_owner", "mark_owner", "own_grad", "unwrap", "wrap"]
 
@@ -193,7 +194,8 @@ def forget_owner(param: Tensor) -> None:
 def wrap(params: list[nn.Parameter]) -> None:
     """Their values are going elsewhere: reads outside forward are decided by the subclass (idempotent)."""
     for param in params:
-        if not isinstance(param, _Sharded):
+        # a tensor-parallel parameter keeps its class: a DTensor's dispatch is its class's (see flat_param.py)
+        if not isinstance(param, _Sharded) and not is_distributed(param):
             param.__class__ = _sharded_class(type(param))
 
 

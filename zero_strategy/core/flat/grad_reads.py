@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zero_strategy.core.plan.tensor_parallel import is_distributed
+
 WATCHED_KEY = "_zero_grad_reads"  # a watched parameter's FlatParam (a weak reference)
 
 
@@ -104,7 +106,8 @@ def watch(flats: list[Any]) -> None:
         if not flat.keeps_full:
             continue
         for param in flat.params:
-            if isinstance(param, _GradWatched):
+            # a tensor-parallel parameter keeps its class: a DTensor's dispatch is its class's (see flat_param.py)
+            if isinstance(param, _GradWatched) or is_distributed(param):
                 continue
             param.__dict__[WATCHED_KEY] = weakref.ref(flat)
             param.__class__ = _watched_class(type(param))

@@ -28,6 +28,7 @@ from zero_strategy.core.flat.access import own_grad
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.storage import FlatStorage
 from zero_strategy.core.plan.flat_specs import FlatSpec
+from zero_strategy.core.plan.tensor_parallel import local_gradient
 
 
 class ReduceState(Enum):
@@ -109,6 +110,7 @@ class GradientSlices:
         grad = own_grad(param)
         if grad is None:
             return
+        grad = local_gradient(grad, param)  # see [Note: ZeRO over the data-parallel dimension of a 2-D mesh]
         if self.stash is None:
             self.stash = torch.zeros(self.spec.layout.padded_numel, dtype=torch.float32,
                                      device=self.storage.full.tensor.device)
@@ -135,6 +137,7 @@ class GradientSlices:
             part = target[span.offset : span.end]
             grad = own_grad(param)
             if grad is not None:
+                grad = local_gradient(grad, param)  # see [Note: ZeRO over the data-parallel dimension of a 2-D mesh]
                 part.add_(grad.reshape(-1)) if add else part.copy_(grad.reshape(-1))
                 param.grad = None
                 self.seen[index] = True

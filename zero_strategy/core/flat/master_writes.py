@@ -13,6 +13,7 @@ from torch import Tensor
 
 from zero_strategy.core.flat.errors import ShardedParameterError
 from zero_strategy.core.flat.in_place_watch import HOST_WIDE, warn_rounded
+from zero_strategy.core.flat.param_values import point_at
 
 FlatParam = Any  # a FlatParam (flat_param.py imports this module)
 
@@ -89,7 +90,7 @@ def take_changes_at_release(flat: FlatParam, private: Tensor | None) -> None:
 
 def _point_params_at(flat: FlatParam, buffer: Tensor) -> None:
     for span, param in zip(flat.layout.spans, flat.params, strict=True):
-        param.data = buffer[span.offset : span.end].view(span.shape)
+        point_at(param, buffer[span.offset : span.end].view(span.shape))
     flat.in_place.forget()  # `.data` gave each parameter a new version counter
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from zero_strategy.core.plan.layout import FlatLayout
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.plan.tensor_parallel import local_shape, sharded_over_tensor_parallel
 from zero_strategy.core.plan.units import UnitPlan
 
 
@@ -31,7 +32,8 @@ class FlatSpec:
     groups_of: dict[int, tuple[int, ...]]  # id(param) -> its param group in each of `optimizers` ({} when none)
     compute_dtype: torch.dtype  # what forward sees (the gathered buffer's dtype)
     reduce_dtype: torch.dtype  # gradients are reduced in this dtype
-    layout: FlatLayout
+    layout: FlatLayout  # of the parameters' local blocks (see [Note: ZeRO over the data-parallel dimension ...])
+    tensor_sharded: bool = False  # its parameters hold different blocks on each tensor-parallel rank
 
     @property
     def label(self) -> str:
@@ -78,19 +80,20 @@ def _unit_specs(
     world_size: int,
 ) -> list[FlatSpec]:
     keep_fp32 = policy.full_precision_params(unit.module) if policy else set()
-    kinds: dict[tuple[torch.dtype, torch.dtype, tuple[int, ...]], list[tuple[str, nn.Parameter]]] = {}
+    kinds: dict[tuple[torch.dtype, torch.dtype, tuple[int, ...], bool], list[tuple[str, nn.Parameter]]] = {}
     for name, param in unit.named_params:
         held = owners.get(id(param), ()) if param.requires_grad else ()
         compute = param.dtype if policy is None or id(param) in keep_fp32 else policy.compute_dtype_for(param)
-        kinds.setdefault((param.dtype, compute, tuple(o for o, _ in held)), []).append((name, param))
+        kind = (param.dtype, compute, tuple(o for o, _ in held), sharded_over_tensor_parallel(param))
+        kinds.setdefault(kind, []).append((name, param))
     specs: list[FlatSpec] = []
-    for position, ((_, compute, optimizers), named) in enumerate(kinds.items()):
+    for position, ((_, compute, optimizers, tensor_sharded), named) in enumerate(kinds.items()):
         groups_of = {id(p): tuple(g for _, g in owners[id(p)]) for _, p in named} if optimizers else {}
         # Sorted by the tuple of groups: each combination of groups is one contiguous range (the first optimizer's
         # groups are contiguous runs), so master pieces are cut only where some optimizer's group changes.
         named.sort(key=lambda item: groups_of.get(id(item[1]), ()))
-        layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in named], world_size)
+        layout = FlatLayout.build([(n, local_shape(p)) for n, p in named], world_size)
         reduce_dtype = policy.reduce_dtype if policy is not None else compute
         specs.append(FlatSpec(f"{unit.name}/{position}", unit.name, tuple(named), optimizers, groups_of,
-                              compute, reduce_dtype, layout))
+                              compute, reduce_dtype, layout, tensor_sharded))
     return specs

@@ -119,6 +119,16 @@ class ParamGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorParallelGroup:
+    """This rank's tensor-parallel group: the ranks holding the other blocks of its DTensor parameters (see [Note:
+    ZeRO over the data-parallel dimension of a 2-D mesh] in plan/tensor_parallel.py)."""
+
+    group: dist.ProcessGroup
+    rank: int  # this rank's coordinate on the tensor_parallel dimension
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class RankLayout:
     """What an engine needs to know about where its ranks sit. Pass it as ``ZeroEngine(..., group=layout)``."""
 
@@ -126,6 +136,8 @@ class RankLayout:
     shard_group: dist.ProcessGroup | None  # the ranks that share one copy of the sharded state (None: the world)
     replicas: Replicas | None = None  # None: a single shard group (flat ZeRO)
     param_group: ParamGroup | None = None  # hierarchical stage 3's secondary group; None: off
+    # a 2-D mesh: shard_group is then the data-parallel group; None: no tensor parallelism
+    tensor_parallel: TensorParallelGroup | None = None
 
 
 def build_param_group(hierarchical_params: int | str | None, topology: Topology) -> ParamGroup | None:
