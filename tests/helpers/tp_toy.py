@@ -14,7 +14,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -139,6 +141,10 @@ class ToyTPModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         apply_plan(self.net, self.device_mesh["tensor_parallel"])
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2 over data_parallel; ZeRO shards itself
+            for block in self.net.blocks:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = loss_of(self.net, batch)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from zero_strategy.config import OffloadDevice, ZeroConfig
@@ -29,7 +30,7 @@ from zero_strategy.core.init.materialize import (
 )
 from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
-from zero_strategy.core.plan.tensor_parallel import local_part
+from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.runtime.compile_check import warn_compiled_around_units
@@ -59,7 +60,15 @@ def build_parts(
     """Shard ``module``: plan, allocate, fill. Collective."""
     for optimizer in optimizers:
         check_optimizer(optimizer, config.allow_untested_optimizer)
+    _refuse_fsdp(module)
     materialize_on = check_materializable(module, initial_values)
+    if materialize_on is not None and any(is_distributed(p) for p in module.parameters()):
+        # the recording would replay torch's own distribute_tensor ops on meta DTensors: not supported yet
+        raise ValueError(
+            "ZeRO: a module built on the meta device (configure_model, init_module(empty_init=True)) with a "
+            "tensor-parallel plan is not supported yet: build the model eagerly (in __init__) and apply the plan in "
+            "configure_model, or load its weights afterwards (trainer.fit(ckpt_path=...))."
+        )
     recording = initial_values.recording if initial_values is not None else None
     # planned while the tensors are still meta: building the FlatParams gives them storage
     replay = prepare_replay(module, recording) if recording is not None and materialize_on is not None else None
@@ -96,6 +105,19 @@ def build_parts(
     if initial_values is not None and initial_values.pretrained is not None:
         load_pretrained(module, flat_params, initial_values.pretrained, comms.group.rank)
     return EngineParts(units, comms, placement, device, materialize_on is not None, stats)
+
+
+def _refuse_fsdp(module: nn.Module) -> None:
+    """A module FSDP2 already shards (``fully_shard``, as a module written for ModelParallelStrategy calls in
+    ``configure_model``) would be sharded twice over the same ranks: refused, naming the remedy."""
+    wrapped = [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
+    if wrapped:
+        shown = ", ".join(wrapped[:4]) + (" ..." if len(wrapped) > 4 else "")
+        raise ValueError(
+            f"ZeRO: {shown} {'is' if len(wrapped) == 1 else 'are'} already sharded by FSDP2's fully_shard. ZeRO shards "
+            "over the data-parallel ranks itself: call fully_shard only under ModelParallelStrategy (e.g. `if "
+            "isinstance(self.trainer.strategy, ModelParallelStrategy)`), keeping parallelize_module for both."
+        )
 
 
 def _flat_param(

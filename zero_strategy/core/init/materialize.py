@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.init import FinalTensor, ModuleReplay, Recording, ReplayStats
+from zero_strategy.core.plan.tensor_parallel import is_distributed, local_block
 
 
 class WeightsReader(Protocol):
@@ -132,7 +133,13 @@ def load_pretrained(module: nn.Module, flats: Iterable[FlatParam], pretrained: P
                 if overlap.name not in pretrained.sources:  # strict=False: left as initialized
                     continue
                 reader, source = pretrained.sources[overlap.name]
-                values = reader.read(source, overlap.param_start, overlap.numel, dtype=flat.shard.dtype)
+                param = flat.params[positions[overlap.name]]
+                if is_distributed(param):  # the file holds the global tensor: this rank's TP block, then its range
+                    whole = reader.read(source, 0, param.numel(), dtype=flat.shard.dtype).view(param.shape)
+                    block = local_block(whole, param).reshape(-1)
+                    values = block[overlap.param_start : overlap.param_start + overlap.numel]
+                else:
+                    values = reader.read(source, overlap.param_start, overlap.numel, dtype=flat.shard.dtype)
                 flat.write_shard_range(positions[overlap.name], overlap.param_start, values)
         for name, buffer in module.named_buffers():
             if name in pretrained.sources:

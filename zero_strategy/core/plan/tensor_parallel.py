@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -63,3 +64,21 @@ def describe(tensor: Tensor) -> dict[str, Any]:
     if not isinstance(tensor, DTensor):
         return {}
     return {"global_shape": list(tensor.shape), "placements": [repr(p) for p in tensor.placements]}
+
+
+def local_block(whole: Tensor, param: Tensor) -> Tensor:
+    """This rank's block of ``whole`` (a value of ``param``'s global shape), cut as ``param``'s placements cut it
+    (``Shard(d)``: ``torch.chunk`` along ``d``, as DTensor cuts); ``whole`` itself for a plain parameter."""
+    if not isinstance(param, DTensor):
+        return whole
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the parameter's mesh"
+    block = whole
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            dim = placement.dim  # type: ignore[attr-defined]
+            chunks = torch.chunk(block, mesh.size(mesh_dim), dim=dim)
+            index = coordinate[mesh_dim]
+            block = chunks[index] if index < len(chunks) else block.narrow(dim, 0, 0)
+    return block
