@@ -111,15 +111,25 @@ def global_batch(step: int, rows: int, samples: int = 64) -> tuple[Tensor, Tenso
 
 def reference_states(steps: int, rows: int, lr: float = 1e-2, clip: float | None = None) -> dict[str, Tensor]:
     """One process, no TP: ``steps`` AdamW steps on the global batches of ``rows`` samples (:func:`global_batch`)."""
+    return reference_run(steps, rows, lr, clip)[0]
+
+
+def reference_run(
+    steps: int, rows: int, lr: float = 1e-2, clip: float | None = None
+) -> tuple[dict[str, Tensor], list[float]]:
+    """:func:`reference_states` and the loss of every step."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
     for step in range(steps):
-        loss_of(model, global_batch(step, rows)).backward()
+        loss = loss_of(model, global_batch(step, rows))
+        losses.append(float(loss.detach()))
+        loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}, losses
 
 
 def full_state(model: nn.Module) -> dict[str, Tensor]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.compare import assert_state_close
 from helpers.launched import as_launched_rank
-from helpers.tp_toy import ToyTPModule, apply_plan, full_state, make_model, reference_states
+from helpers.tp_toy import ToyTPModule, apply_plan, full_state, make_model, reference_run, reference_states
 from lightning.pytorch.strategies import ModelParallelStrategy
 from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
@@ -31,6 +31,7 @@ from zero_strategy.config import ZeroConfigError
 from zero_strategy.testing import run_ranks
 
 STEPS, ROWS_PER_RANK, CLIP, WORLD, TP = 3, 2, 0.5, 4, 2
+PRECISIONS = ("bf16-mixed", "16-mixed")
 
 FITS = {
     "zero1": lambda: ZeroStrategy(stage=1, tensor_parallel_size=TP),
@@ -66,6 +67,17 @@ def _fit(name: str) -> dict[str, Any]:
             "mesh": tuple(strategy.device_mesh.shape)}
 
 
+def _low_precision(precision: str) -> dict[str, Any]:
+    trainer = pl.Trainer(
+        strategy=ZeroStrategy(stage=3, tensor_parallel_size=TP), accelerator="cpu", devices=WORLD, max_steps=STEPS,
+        precision=precision, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = ToyTPModule(rows=ROWS_PER_RANK)
+    trainer.fit(module)
+    return {"state": full_state(module.net), "losses": module.losses}
+
+
 def _pretrained(path: str) -> dict[str, Any]:
     """zero3 with pretrained= (the global tensors of another seed's model) and lr 0: the run starts from them."""
     trainer = _trainer(ZeroStrategy(stage=3, tensor_parallel_size=TP, pretrained=path), steps=1)
@@ -86,6 +98,8 @@ def fit_each(rank: int, world: int, pretrained: str) -> dict[str, Any]:
     as_launched_rank(rank, world)
     results: dict[str, Any] = {name: _fit(name) for name in FITS}
     results["pretrained"] = _pretrained(pretrained)
+    for precision in PRECISIONS:
+        results[precision] = _low_precision(precision)
     results["fully_shard"] = _refused(FullyShardedEverywhere())
     return results
 
@@ -126,6 +140,25 @@ def test_mesh_and_sampler_are_model_parallel_strategys(runs: list[dict[str, Any]
             # ranks 2d and 2d+1 form TP group d and see data-parallel rank d's batches
             assert results[name]["sampler"]["num_replicas"] == WORLD // TP, name
             assert results[name]["sampler"]["rank"] == rank // TP, name
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_low_precision_trains_as_fp32_does_and_keeps_tensor_parallel_replicas_equal(
+    runs: list[dict[str, Any]], precision: str
+) -> None:
+    """Mixed precision: the global loss of each step (the mean of the data-parallel ranks' losses) within 2e-2 of
+    one fp32 process's (Adam's first steps move each weight by about lr whatever its gradient's size, so weights are
+    compared between the ranks instead); the whole model equal on every rank (replicated blocks stepped alike: the
+    fp16 overflow decision and the clipping coefficient agreed over both dimensions)."""
+    _, reference_losses = reference_run(STEPS, ROWS_PER_RANK * WORLD // TP, clip=CLIP)
+    data_parallel_ranks = range(0, WORLD, TP)
+    for step, expected in enumerate(reference_losses):
+        got = sum(runs[rank][precision]["losses"][step] for rank in data_parallel_ranks) / len(data_parallel_ranks)
+        assert abs(got - expected) <= 2e-2 * abs(expected), (precision, step, got, expected)
+    for rank, results in enumerate(runs):
+        # fails on a non-finite value too (tests/helpers/compare.py)
+        assert_state_close(results[precision]["state"], runs[0][precision]["state"], rel=0.0, what=f"rank {rank}")
 
 
 @pytest.mark.timeout(600)
