@@ -13,8 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard

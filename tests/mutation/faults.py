@@ -32,6 +32,25 @@ RESHARD = "tests/checkpoint/test_ckpt_reshard_core.py"
 CONSOLIDATE = "tests/checkpoint/test_ckpt_consolidate.py"
 
 FAULTS: tuple[Fault, ...] = (
+    # ------------------------------------------------------------------------------------- tensor parallel
+    Fault(
+        name="tp-norm-not-summed-over-tensor-parallel",
+        area="engine",
+        file="zero_strategy/core/engine/gradients.py",
+        original='ReduceOp.SUM, "gradient norm across tensor parallel")',
+        replacement='ReduceOp.MAX, "gradient norm across tensor parallel")',
+        description="tensor parallelism: the global gradient norm leaves out the other TP ranks' blocks",
+        tests=("tests/lightning/test_tp_trainer.py::test_every_stage_and_model_parallel_strategy_match_one_process",),
+    ),
+    Fault(
+        name="tp-partial-gradient-not-summed",
+        area="flat",
+        file="zero_strategy/core/plan/tensor_parallel.py",
+        original="    if tuple(grad.placements) != tuple(placements):",
+        replacement="    if False:",
+        description="tensor parallelism: a SequenceParallel norm's Partial gradient is flattened unsummed over TP",
+        tests=("tests/lightning/test_tp_trainer.py::test_every_stage_and_model_parallel_strategy_match_one_process",),
+    ),
     # ------------------------------------------------------------------------------------------------ comm
     Fault(
         name="p2p-sum-adds-a-chunk-twice",
@@ -145,9 +164,9 @@ FAULTS: tuple[Fault, ...] = (
         name="norm-not-all-reduced",
         area="engine",
         file="zero_strategy/core/engine/gradients.py",
-        original='    total = comm.all_reduce(local_sum, ReduceOp.SUM, "gradient norm").wait()',
-        replacement="    total = local_sum",
-        description="gradient clipping: each rank clips by the norm of its own slice (squared norms not all-reduced)",
+        original='    total = comm.all_reduce(local_sum, ReduceOp.SUM, "gradient norm")',
+        replacement='    total = comm.all_reduce(local_sum, ReduceOp.MAX, "gradient norm")',
+        description="gradient clipping: the ranks clip by the largest slice's norm (squared norms not summed)",
         tests=(f"{PARITY}::test_clip_grad_norm_parity[2-2-l2]",),
     ),
     Fault(
@@ -163,8 +182,8 @@ FAULTS: tuple[Fault, ...] = (
         name="overflow-not-agreed",
         area="engine",
         file="zero_strategy/core/engine/gradients.py",
-        original='    return bool(comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait().item() > 0)',
-        replacement="    return bool(found.item() > 0)",
+        original='    found = comm.all_reduce(found, ReduceOp.MAX, "overflow check").wait()',
+        replacement="    found = found",
         description="fp16: each rank decides alone whether its gradients overflowed (no agreement across ranks)",
         tests=(f"{PLUGIN}::test_an_overflow_only_one_ranks_slice_holds_is_agreed",),
     ),

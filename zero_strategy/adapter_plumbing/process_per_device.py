@@ -14,11 +14,8 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from zero_strategy.adapter_plumbing.process_group import tensor_parallel_mesh
+from zero_strategy.adapter_plumbing.process_group import DeviceMesh, tensor_parallel_mesh
 from zero_strategy.config import ZeroConfig
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ProcessPerDevice:

@@ -32,7 +32,8 @@ class FlatSpec:
     groups_of: dict[int, tuple[int, ...]]  # id(param) -> its param group in each of `optimizers` ({} when none)
     compute_dtype: torch.dtype  # what forward sees (the gathered buffer's dtype)
     reduce_dtype: torch.dtype  # gradients are reduced in this dtype
-    layout: FlatLayout  # of the parameters' local blocks (see [Note: ZeRO over the data-parallel dimension ...])
+    # of the parameters' local blocks: see [Note: ZeRO over the data-parallel dimension of a 2-D mesh]
+    layout: FlatLayout
     tensor_sharded: bool = False  # its parameters hold different blocks on each tensor-parallel rank
 
     @property

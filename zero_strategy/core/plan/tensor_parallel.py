@@ -13,7 +13,7 @@ ranks whose module happens to have smaller tensors. Three things cross the TP di
   sequence) is summed over TP before it is flattened (``local_gradient``), as the DTensor itself would;
 - the global gradient norm and the fp16 overflow flag are agreed over TP after DP, TP-sharded elements counted on
   every TP rank and replicated ones once (core/engine/gradients.py);
-- a checkpoint holds one data-parallel checkpoint per TP coordinate (checkpoint/sharded/tensor_parallel.py).
+- a checkpoint holds one data-parallel checkpoint per TP coordinate (the checkpoint room writes and joins them).
 Sharded and replicated parameters go to different FlatParams (``FlatSpec.tensor_sharded``) so the norm can tell them
 apart by FlatParam.
 """
