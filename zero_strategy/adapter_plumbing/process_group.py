@@ -22,8 +22,8 @@ from zero_strategy.core.comm.control import barrier, broadcast_object  # the pac
 from zero_strategy.core.comm.exit_teardown import destroy_process_group_at_exit
 from zero_strategy.core.plan.topology import RankLayout, TensorParallelGroup, Topology, build_rank_layout
 
-__all__ = ["DeviceMesh", "barrier", "broadcast_object", "destroy_after_spawned_run", "init_process_group", "rank_layout",
-           "reduce_tensor", "tensor_parallel_mesh"]
+__all__ = ["DeviceMesh", "barrier", "broadcast_object", "destroy_after_spawned_run", "init_process_group",
+           "rank_layout", "reduce_tensor", "tensor_parallel_mesh"]
 
 MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")  # the names Lightning's ModelParallelStrategy gives them
 
