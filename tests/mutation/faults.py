@@ -43,6 +43,16 @@ FAULTS: tuple[Fault, ...] = (
         tests=("tests/lightning/test_tp_trainer.py::test_every_stage_and_model_parallel_strategy_match_one_process",),
     ),
     Fault(
+        name="tp-overflow-not-agreed-over-tensor-parallel",
+        area="engine",
+        file="zero_strategy/core/engine/gradients.py",
+        original='found = tensor.all_reduce(found, ReduceOp.MAX, "overflow check across tensor parallel")',
+        replacement='found = tensor.all_reduce(found, ReduceOp.MIN, "overflow check across tensor parallel")',
+        description="tensor parallelism + fp16: a TP rank whose block overflowed skips alone (the flag not agreed)",
+        tests=("tests/distributed/test_tensor_parallel_engine.py::"
+               "test_an_overflow_in_one_tensor_parallel_block_is_agreed_by_every_rank",),
+    ),
+    Fault(
         name="tp-partial-gradient-not-summed",
         area="flat",
         file="zero_strategy/core/plan/tensor_parallel.py",
