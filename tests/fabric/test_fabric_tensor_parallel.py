@@ -9,6 +9,7 @@ optimizer set up with the module it replaced the parameters of) is refused with 
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,28 @@ import pytest
 import torch
 from helpers.compare import assert_state_close, assert_values_close
 from helpers.launched import as_launched_rank
-from helpers.tp_toy import SEQ, ToyNet, apply_plan, full_state, global_batch, loss_of, make_model, reference_states
+from helpers.tp_toy import (
+    SEQ,
+    Tokens,
+    ToyNet,
+    apply_plan,
+    full_state,
+    global_batch,
+    loss_of,
+    make_model,
+    reference_states,
+)
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
+from torch.utils.data import DataLoader
 
 from zero_strategy import ZeroFabricStrategy
 from zero_strategy.fabric.tensor_parallel import TensorParallelCheckpointError
 from zero_strategy.testing import run_ranks
 
 WORLD, TP, ROWS, STEPS, LR, CLIP = 4, 2, 2, 3, 1e-2, 0.5  # ROWS per data-parallel rank and step
+SAMPLES = 64  # global_batch's dataset size
 DP = WORLD // TP
 _ROW, _COL, _REP = ["Shard(dim=0)"], ["Shard(dim=1)"], ["Replicate()"]
 PLACEMENTS = {
@@ -78,7 +91,8 @@ def _rows(step: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_each(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Each strategy: setup_module, AdamW, setup_optimizers, STEPS steps clipped at CLIP; the full trained state,
+    """Each strategy: setup_module, AdamW, setup_optimizers, setup_dataloaders, STEPS steps clipped at CLIP; the
+    full trained state,
     the norms clip_gradients returned, the mesh and the sampler's ranks; for ZeRO the refused save and load."""
     as_launched_rank(rank, world)
     out: dict[str, Any] = {}
@@ -87,10 +101,13 @@ def train_each(rank: int, world: int, root: str) -> dict[str, Any]:
         fabric.launch()
         model = fabric.setup_module(make_model())
         optimizer: Any = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-        data_rank = rank // TP  # the mesh's layout: ranks d*TP .. d*TP+TP-1 form tensor-parallel group d
+        fabric.seed_everything(0)  # the sampler's shuffle seed, the one global_batch assumes
+        # Fabric's sampler deals Tokens to the data-parallel ranks (a TP group's ranks get the same rows): each step
+        # the ranks together take the global batch of reference_states (see global_batch)
+        loader = fabric.setup_dataloaders(DataLoader(Tokens(SAMPLES), batch_size=ROWS, shuffle=True))
         norms = []
-        for step in range(STEPS):
-            fabric.backward(loss_of(model, _rows(step, data_rank)))
+        for batch in itertools.islice(loader, STEPS):
+            fabric.backward(loss_of(model, batch))
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
             optimizer.step()
             optimizer.zero_grad()

@@ -98,6 +98,6 @@ class Parallelize:
         if self.active(config):
             raise TensorParallelCheckpointError(
                 f"ZeRO: {what} of a tensor-parallel module (parallelize_fn or tensor_parallel_size > 1) is not "
-                "supported under Fabric yet. Save the full weights by hand: inside strategy.gathered_parameters(), "
-                "gather each DTensor parameter with .full_tensor() and torch.save them from rank 0."
+                "supported under Fabric yet. Save the full weights by hand: model.state_dict() on every rank, each "
+                "DTensor value gathered with .full_tensor() (every rank calls it), torch.save from rank 0."
             )
