@@ -5,8 +5,8 @@ adapter_plumbing/process_group.py."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Generator, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -17,11 +17,10 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import TBroadcast, _Sharded
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
@@ -48,10 +47,12 @@ from zero_strategy.core.runtime.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from zero_strategy.fabric.backward_sync import ZeroBackwardSyncControl
 from zero_strategy.fabric.checkpoint import FabricCheckpoints
 from zero_strategy.fabric.optimizer_class import forward_zero_grad
 from zero_strategy.fabric.precision_selection import ZeroFabricPrecisionChoice
 from zero_strategy.fabric.sharded_modules import ShardedModules
+from zero_strategy.fabric.tensor_parallel import Parallelize, ParallelizeFn
 from zero_strategy.initial_values import initial_values
 from zero_strategy.names import STRATEGY_NAMES
 
@@ -65,6 +66,8 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
     ``Fabric(strategy="zero3")`` after ``import zero_strategy``, or ``ZeroFabricStrategy(stage=3, **options)`` with
     the fields of :class:`zero_strategy.ZeroConfig` as keywords (or ``config=``). ``state_dict_type``: what
     ``fabric.save`` writes, "sharded" (a directory, one shard per rank) or "full" (one consolidated file).
+    ``parallelize_fn`` (with ``tensor_parallel_size=K``): ModelParallelStrategy's tensor-parallel plan, applied in
+    ``fabric.setup`` (see [Note: the parallelize_fn under Fabric] in fabric/tensor_parallel.py).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         config: ZeroConfig | None = None,
         state_dict_type: str = "sharded",
         start_method: str = "popen",
+        parallelize_fn: ParallelizeFn | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -106,13 +110,14 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self.config = config
         self._checkpoint_policy = resolved.checkpoint_policy
         self._start_method = start_method
+        self._parallelize = Parallelize(parallelize_fn, start_method)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._recorder = ConstructionRecorder()
         # bound methods, not lambdas: the spawn launcher pickles the strategy into each rank
         self._modules = ShardedModules(self._build_engine, self._root_device)
         self._checkpoints = FabricCheckpoints(self._modules, state_dict_type == "full", self._is_global_zero)
-        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._backward_sync_control = ZeroBackwardSyncControl(self.engine)
         self.take_over_precision_choice()  # built by the strategy registry inside a Fabric: see the method
 
     def _root_device(self) -> torch.device:
@@ -139,11 +144,16 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, backend, self.config.process_group_timeout_s)
+        self.build_device_mesh(self.root_device.type, self.world_size, None)  # with tensor_parallel_size > 1
+        if self._device_mesh is None:  # a parallelize_fn with tensor_parallel_size=1 gets a (world, 1) mesh
+            self._device_mesh = self._parallelize.mesh(self.root_device, self.world_size, self.config)
 
     # ---------------------------------------------------------------------------------- modules, optimizers
     def _build_engine(self, module: nn.Module, entry: ForwardEntry, optimizers: list[Optimizer],
                       values: InitialValues | None) -> ZeroEngine:
-        layout = rank_layout(self.config, self.world_size, self.num_processes)
+        # the mesh of tensor_parallel_size=1 is parallelize_fn's alone: ZeRO's layout stays its usual one
+        mesh = self._device_mesh if self.config.tensor_parallel_size > 1 else None
+        layout = rank_layout(self.config, self.world_size, self.num_processes, mesh)
         self.precision.attach(self._modules.engine_of, self.root_device.type)
         return ZeroEngine(module, optimizers, self.config, layout, entry, self.precision.settings.policy(),
                           initial_values=values)
@@ -165,6 +175,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
             for optimizer in optimizers:
                 forward_zero_grad(optimizer)
             return entry, list(optimizers), scheduler
+        module = self._parallelize.apply(module, self._device_mesh, optimizers)
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             entry = self._modules.setup(module, list(optimizers), values)
@@ -179,6 +190,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         or for evaluation and distillation. Collective."""
         if self._modules.holds(module):  # see [Note: a module set up again] in sharded_modules.py
             return self._modules.setup_again(module, [])
+        module = self._parallelize.apply(module, self._device_mesh, [])
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             return self._modules.setup(module, [], values)
@@ -276,11 +288,13 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         """Every rank writes its shard of the directory rank 0 names (see [Note: what a Fabric checkpoint holds])."""
         if storage_options is not None:
             raise TypeError("ZeroFabricStrategy.save_checkpoint does not take storage_options")
+        self._parallelize.refuse_checkpoint(self.config, "fabric.save")
         self._checkpoints.save(self.broadcast(path), state, self.precision, filter)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        self._parallelize.refuse_checkpoint(self.config, "fabric.load")
         return self._checkpoints.load(self.broadcast(path), state, self.precision, strict, weights_only)
 
     @override
@@ -312,33 +326,3 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
                 continue
             strategy_registry.register(entry.name, cls, description=entry.description, stage=int(entry.stage),
                                        start_method=entry.start_method, **entry.options)
-
-
-class _ZeroBackwardSyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: stages 2/3 keep the gradients on the module instead of reducing them
-    (see [Note: gradients held on the module] in core/runtime/backward_reductions.py)."""
-
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
-        self._said = False
-
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        engine = self._strategy.engine(module)
-        if engine.stage.reshards_parameters and not self._said:
-            self._said = True
-            rank_zero_info(
-                "no_backward_sync under ZeRO stage 3: the gradient reductions of these backwards are skipped (the "
-                "gradients stay on the module, full size, until the next backward outside it); the parameter "
-                "gathers in forward and backward are not: each rank holds only its slice of the parameters."
-            )
-        return _held(engine)
-
-
-@contextmanager
-def _held(engine: ZeroEngine) -> Generator[None, None, None]:
-    with engine.gradients_held():
-        yield
-
