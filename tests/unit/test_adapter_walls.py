@@ -43,6 +43,7 @@ LIGHTNING_FREE = {  # adapter modules that import no Lightning yet are adapter c
     "zero_strategy/adapter_plumbing/precision_takeover.py": "one Lightning connector's precision choice",
     "zero_strategy/adapter_plumbing/forward_entry.py": "the module handed to Lightning as its forward module",
     "zero_strategy/adapter_plumbing/strategy_options.py": "the Lightning strategies' constructor arguments",
+    "zero_strategy/fabric/tensor_parallel.py": "the parallelize_fn of Fabric's ModelParallelStrategy",
 }
 
 

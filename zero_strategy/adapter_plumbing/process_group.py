@@ -37,11 +37,13 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s:
         destroy_process_group_at_exit()
 
 
-def tensor_parallel_mesh(device_type: str, world_size: int, tensor_parallel_size: int) -> DeviceMesh | None:
+def tensor_parallel_mesh(
+    device_type: str, world_size: int, tensor_parallel_size: int, even_for_one: bool = False
+) -> DeviceMesh | None:
     """The 2-D mesh ``data_parallel x tensor_parallel`` (K consecutive ranks per TP group, inside a node, as
-    ModelParallelStrategy lays it out); None when ``tensor_parallel_size`` is 1. Collective: it creates both
-    dimensions' process groups."""
-    if tensor_parallel_size == 1:
+    ModelParallelStrategy lays it out); None when ``tensor_parallel_size`` is 1, unless ``even_for_one`` (a
+    ``(world, 1)`` mesh for a Fabric ``parallelize_fn``). Collective: it creates both dimensions' process groups."""
+    if tensor_parallel_size == 1 and not even_for_one:
         return None
     if world_size % tensor_parallel_size:
         raise ZeroConfigError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world of {world_size} "

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from torch import nn
 from torch.optim import Optimizer
 
+from zero_strategy.adapter_plumbing.process_group import tensor_parallel_mesh
 from zero_strategy.config import ZeroConfig
 
 # (module, DeviceMesh) -> module; the mesh is typed Any: the adapters import nothing from torch.distributed
@@ -63,11 +63,11 @@ class Parallelize:
         return self.fn is not None or config.tensor_parallel_size > 1
 
     def mesh(self, device: torch.device, world_size: int, config: ZeroConfig) -> Any | None:
-        """The ``(world, 1)`` mesh ``fn`` gets when ``tensor_parallel_size`` is 1 (Lightning's own function builds it,
-        the mesh ModelParallelStrategy builds); None otherwise (K > 1: the plumbing's mesh). Collective."""
+        """The ``(world, 1)`` mesh ``fn`` gets when ``tensor_parallel_size`` is 1 (the mesh ModelParallelStrategy
+        builds); None otherwise (K > 1: the plumbing's mesh). Collective."""
         if self.fn is None or config.tensor_parallel_size > 1:
             return None
-        return _setup_device_mesh(world_size, 1, world_size, device)
+        return tensor_parallel_mesh(device.type, world_size, 1, even_for_one=True)
 
     def apply(self, module: nn.Module, mesh: Any, optimizers: list[Optimizer]) -> nn.Module:
         """``fn(module, mesh)`` (``module`` itself without one), checked: a module comes back, built on a real device,
