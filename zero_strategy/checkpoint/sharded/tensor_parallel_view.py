@@ -143,6 +143,11 @@ class TensorParallelView:
     def trainer_state(self, weights_only: bool | None = True) -> dict[str, Any]:
         return self.parts[0].trainer_state(weights_only)
 
+    @property
+    def version_dir(self) -> Path:
+        """Where the trainer state (and the buffers in it) is read: coordinate 0's (every part holds the same)."""
+        return self.parts[0].version_dir
+
     def close(self) -> None:
         for part in self.parts:
             part.close()
