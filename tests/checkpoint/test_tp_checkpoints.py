@@ -33,6 +33,7 @@ from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.export.cli import main as zero_to_fp32
 from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.pretrained.open import load_pretrained_into_module
 from zero_strategy.checkpoint.sharded.tensor_parallel import TP_MANIFEST_NAME, TensorParallelManifest
 from zero_strategy.checkpoint.sharded.tensor_parallel_blocks import _Block, open_for_run
 from zero_strategy.checkpoint.sharded.tensor_parallel_save import _plan_staging
@@ -321,3 +322,12 @@ def test_zero_to_fp32_hf_writes_the_whole_model(saved: tuple[Path, dict[str, Any
             "--strip-prefix", "net.", "--no-name-check", "--no-progress"]
     assert zero_to_fp32(argv) == 0
     assert_state_close(load_file(out / "model.safetensors"), results["zero3"]["final"], rel=0.0, what="--hf")
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_weights_from_a_tensor_parallel_checkpoint(saved: tuple[Path, dict[str, Any]]) -> None:
+    """``pretrained=`` reads a tensor-parallel checkpoint as whole tensors (here into an ordinary module)."""
+    root, results = saved
+    module = PlainModule()
+    load_pretrained_into_module(module, root / "zero1" / "last.ckpt")
+    assert_state_close(module.net.state_dict(), results["zero1"]["final"], rel=0.0, what="pretrained")
