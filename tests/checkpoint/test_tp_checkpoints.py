@@ -1,6 +1,7 @@
 """Checkpoints of tensor-parallel runs (issue 36): ``ZeroStrategy(stage=s, tensor_parallel_size=2)`` on 4 ranks (2 DP x
 2 TP) saves through ModelCheckpoint; the checkpoint resumes at DP 1 (2 ranks) and DP 4 (8 ranks), at TP 4 (8
-ranks) and in a run without tensor parallelism, equal to the uninterrupted run and to a single-process reference;
+ranks) and in a run without tensor parallelism (and a checkpoint saved without it resumes at TP 2), equal to the
+uninterrupted run and to a single-process reference;
 a failed save leaves the previous checkpoint as it was; a checkpoint of another model is refused by name;
 ``zero-to-fp32`` writes the whole model.
 
@@ -124,6 +125,12 @@ def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
         module = ToyTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
         _trainer(_strategy(stage, collectives), world, [saves, failing]).fit(module)
         results[name] = {"final": full_state(module.net), "failed_save": failing.outcome}
+    pl.seed_everything(0, verbose=False)  # without tensor parallelism (DP 4), for a TP run to resume from
+    saves = ModelCheckpoint(dirpath=root / "no_tp", filename="step={step}", auto_insert_metric_name=False,
+                            every_n_train_steps=SAVED_AT, save_top_k=-1)
+    plain = PlainModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
+    _trainer(_strategy(3, "auto", 1), world, [saves]).fit(plain)
+    results["no_tp"] = {"final": {k: v.detach().clone() for k, v in plain.net.state_dict().items()}}
     pl.seed_everything(0, verbose=False)
     strategy = ZeroStrategy(stage=1, tensor_parallel_size=2, checkpoint_format="dcp", process_group_timeout_s=60.0)
     saves = ModelCheckpoint(dirpath=root / "dcp", every_n_train_steps=SAVED_AT)
@@ -150,9 +157,11 @@ def resumed_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
     for name, (stage, collectives) in CONFIGS.items():
         module = ToyTPModule(rows=GLOBAL_ROWS // dp, samples=SAMPLES)
         results[name] = full_state(_resume(module, _strategy(stage, collectives), world, root, name).net)
-    if world == 2:  # no tensor parallelism: DP 2 over whole tensors
+    if world == 2:  # no tensor parallelism: DP 2 over whole tensors; and TP 2 from a checkpoint saved without it
         plain = PlainModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
         results["no_tp"] = full_state(_resume(plain, _strategy(3, "auto", 1), world, root, "zero3").net)
+        module = ToyTPModule(rows=GLOBAL_ROWS, samples=SAMPLES)
+        results["from_no_tp"] = full_state(_resume(module, _strategy(3, "auto"), world, root, "no_tp").net)
     if world == 8:  # TP 4 x DP 2: every block is a part of a saved block, or spans two
         for name in ("zero1", "zero3"):
             module = ToyTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
@@ -198,6 +207,15 @@ def test_a_run_without_tensor_parallelism_resumes_from_whole_tensors(
 ) -> None:
     for rank, results in enumerate(resumed[2]):
         assert_state_close(results["no_tp"], saved[1]["zero3"]["final"], what=f"without TP, rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_run_resumes_from_a_checkpoint_saved_without_it(
+    saved: tuple[Path, dict[str, Any]], resumed: dict[int, list[dict[str, Any]]]
+) -> None:
+    assert_state_close(saved[1]["no_tp"]["final"], reference(TOTAL), what="the run without TP, uninterrupted")
+    for rank, results in enumerate(resumed[2]):
+        assert_state_close(results["from_no_tp"], saved[1]["no_tp"]["final"], what=f"TP 2 from no TP, rank {rank}")
 
 
 @pytest.mark.timeout(300)
