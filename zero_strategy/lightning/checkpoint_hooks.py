@@ -146,6 +146,7 @@ class ShardedCheckpointHooks(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         self.checkpoint_io.module = module
+        self.checkpoint_io.tensor_parallel = self._tensor_parallel_place()
         state = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         opened = self.checkpoint_io.opened
         if opened is None:  # the spawn launcher's plain hand-over of rank 0's weights
@@ -156,6 +157,13 @@ class ShardedCheckpointHooks(ParallelStrategy):
         self._load_given = load_placeholders(opened, self.checkpoint_io.buffers)
         state["state_dict"] = dict(self._load_given)
         return state
+
+    def _tensor_parallel_place(self) -> tuple[int, int]:
+        """(tensor_parallel_size, this rank's TP coordinate); (1, 0) without tensor parallelism."""
+        mesh = getattr(self, "_device_mesh", None)  # ProcessPerDevice builds it in setup_environment
+        if mesh is None:
+            return 1, 0
+        return self.config.tensor_parallel_size, mesh.get_local_rank("tensor_parallel")
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

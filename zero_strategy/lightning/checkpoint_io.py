@@ -39,6 +39,9 @@ from zero_strategy.checkpoint.sharded.load import check_compatible
 from zero_strategy.checkpoint.sharded.module_snapshot import ModuleSnapshot
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.save import SaveInfo
+from zero_strategy.checkpoint.sharded.tensor_parallel import is_tensor_parallel_directory
+from zero_strategy.checkpoint.sharded.tensor_parallel_blocks import LocalBlocksView, RunCheckpoint, open_for_run
+from zero_strategy.checkpoint.sharded.tensor_parallel_view import TensorParallelView
 from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
 from zero_strategy.config import CheckpointFormat, ZeroConfig
@@ -55,13 +58,16 @@ class ShardedCheckpointIO(CheckpointIO):
     def __init__(self) -> None:
         self._engine: ZeroEngine | None = None
         self._precision = "32-true"
-        self.opened: ShardedCheckpoint | DcpCheckpoint | DeepSpeedCheckpoint | None = None
+        self.opened: RunCheckpoint | DcpCheckpoint | DeepSpeedCheckpoint | None = None
         self.param_groups: list[list[dict]] = []
         self.buffers: dict[str, Any] = {}
         self.checkpoint_format = CheckpointFormat.zero  # ZeroStrategy sets its config's
         # what the spawn launcher loaded into the main process's module after fit: key -> whether it held values
         self.handed_back: dict[str, bool] | None = None
         self.module: nn.Module | None = None  # the module a checkpoint is opened for (ZeroStrategy sets it)
+        # this run's (tensor_parallel_size, this rank's TP coordinate): which part of a tensor-parallel checkpoint
+        # it resumes from (see [Note: tensor-parallel checkpoint layout]); ZeroStrategy sets it before opening one
+        self.tensor_parallel: tuple[int, int] = (1, 0)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy holds no engine and no opened checkpoint (its file handles cannot travel): see [Note: a copy of the
@@ -149,12 +155,13 @@ class ShardedCheckpointIO(CheckpointIO):
             self.handed_back = {k: not (isinstance(v, torch.Tensor) and v.is_meta) for k, v in state.items()}
             return {k: v for k, v in state.items() if self.handed_back[k]}
         self.close()
-        if is_dcp_directory(Path(path)) and not (Path(path) / MANIFEST_NAME).is_file():
+        ours = (Path(path) / MANIFEST_NAME).is_file() or is_tensor_parallel_directory(Path(path))
+        if is_dcp_directory(Path(path)) and not ours:
             state = self._open_dcp(path, weights_only)
-        elif is_deepspeed_directory(Path(path)) and not (Path(path) / MANIFEST_NAME).is_file():
+        elif is_deepspeed_directory(Path(path)) and not ours:
             state = self._open_deepspeed(path)
         else:
-            opened = ShardedCheckpoint(path)
+            opened = open_for_run(Path(path), *self.tensor_parallel, self.module)
             try:
                 state = opened.trainer_state(weights_only)
             except Exception:
@@ -214,7 +221,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def optimizer_state_absent(self) -> bool:
         """Whether the opened checkpoint records that it was saved without optimizer state (and why)."""
-        if isinstance(self.opened, ShardedCheckpoint):
+        if isinstance(self.opened, ShardedCheckpoint | TensorParallelView | LocalBlocksView):
             return NO_OPTIMIZER_STATE_KEY in self.opened.manifest.extra
         if self.opened is not None:
             info = self.opened.info or {}
@@ -225,7 +232,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """Raise when ``view`` (the opened checkpoint, or it under the names the load hooks asked for) does not fit
         the sharded model; nothing has changed yet."""
         assert self.opened is not None
-        if isinstance(self.opened, ShardedCheckpoint):
+        if isinstance(self.opened, ShardedCheckpoint | TensorParallelView | LocalBlocksView):
             check_compatible(self.engine, view, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
             return
         if isinstance(self.opened, DeepSpeedCheckpoint):

@@ -38,13 +38,17 @@ class RankPosition(Protocol):
 
 
 class WriterComms(Protocol):
-    """The Comms a save agrees over: every rank of the run, and (hybrid sharding) this rank's replicas."""
+    """The Comms a save agrees over: every rank of the run, (hybrid sharding) this rank's replicas, and (tensor
+    parallelism: ``everyone`` is then the data-parallel group) this rank's tensor-parallel group."""
 
     @property
     def everyone(self) -> Comm: ...
 
     @property
     def replicas(self) -> ReplicaComm | None: ...
+
+    @property
+    def tensor(self) -> Comm | None: ...
 
 
 class WritableFlat(Protocol):

@@ -42,6 +42,8 @@ from zero_strategy.checkpoint.deepspeed.export_view import DeepSpeedExportView
 from zero_strategy.checkpoint.deepspeed.layout import is_deepspeed_directory
 from zero_strategy.checkpoint.export.plain_file import read_plain_checkpoint
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.tensor_parallel import is_tensor_parallel_directory
+from zero_strategy.checkpoint.sharded.tensor_parallel_view import TensorParallelView
 
 SAFETENSORS_SUFFIX = ".safetensors"
 STATE_DICT_SUFFIXES = (".pt", ".bin")
@@ -111,12 +113,16 @@ def consolidate(
 
 
 # ------------------------------------------------------------------------------------------------ reading
-ExportSource = ShardedCheckpoint | DeepSpeedExportView  # what the exports read a checkpoint directory as
+# what the exports read a checkpoint directory as
+ExportSource = ShardedCheckpoint | TensorParallelView | DeepSpeedExportView
 
 
 def open_for_export(checkpoint: str | os.PathLike) -> ExportSource:
-    """Our sharded checkpoint directory, or a DeepSpeed ZeRO checkpoint directory read the same way."""
+    """Our sharded checkpoint directory, a tensor-parallel one as whole tensors, or a DeepSpeed ZeRO checkpoint
+    directory read the same way."""
     path = Path(checkpoint)
+    if is_tensor_parallel_directory(path):
+        return TensorParallelView(path)
     if is_deepspeed_directory(path) and not (path / MANIFEST_NAME).is_file():
         return DeepSpeedExportView(path)
     return ShardedCheckpoint(path)

@@ -44,6 +44,7 @@ from zero_strategy.checkpoint.pretrained.stores import (
     TensorStore,
     open_tensor_file,
 )
+from zero_strategy.checkpoint.sharded.tensor_parallel import is_tensor_parallel_directory
 
 INDEX_SUFFIX = ".index.json"
 DIRECTORY_FILES = (
@@ -146,7 +147,7 @@ def _open_store(path: Path) -> TensorStore:
     if not path.exists():
         raise CheckpointError(f"pretrained weights {path} do not exist (accepted: {ACCEPTED})")
     if path.is_dir():
-        if (path / MANIFEST_NAME).is_file():
+        if (path / MANIFEST_NAME).is_file() or is_tensor_parallel_directory(path):
             return ShardedCheckpointStore(path)
         if is_deepspeed_directory(path):
             from zero_strategy.checkpoint.pretrained.deepspeed_store import DeepSpeedStore

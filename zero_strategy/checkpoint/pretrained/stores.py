@@ -28,6 +28,8 @@ from torch import Tensor
 from zero_strategy.checkpoint.base.format import BUFFERS_KEY, TRAINER_STATE_NAME, CheckpointError
 from zero_strategy.checkpoint.base.safetensors_io import CODE_DTYPES, SafetensorsReader
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
+from zero_strategy.checkpoint.sharded.tensor_parallel import is_tensor_parallel_directory
+from zero_strategy.checkpoint.sharded.tensor_parallel_view import TensorParallelView
 
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -185,11 +187,12 @@ def _state_dict_of(content: Any, path: Path) -> dict[str, Tensor]:
 
 class ShardedCheckpointStore(TensorStore):
     """This project's sharded checkpoint directory: every key of the saved module's state_dict (tied names
-    each), parameters from their fp32 masters in the rank shards, buffers from the trainer state."""
+    each), parameters from their fp32 masters in the rank shards (a tensor-parallel checkpoint's as whole tensors),
+    buffers from the trainer state."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._ckpt = ShardedCheckpoint(path)
+        self._ckpt = TensorParallelView(path) if is_tensor_parallel_directory(path) else ShardedCheckpoint(path)
         self._params: dict[str, str] = {}  # state_dict key -> canonical parameter name
         buffer_keys: list[str] = []
         self._order: list[str] = []

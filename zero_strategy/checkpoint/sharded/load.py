@@ -22,6 +22,7 @@ from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 from zero_strategy.checkpoint.sharded.shard_content import scalar_value
 from zero_strategy.core.engine.optimizer import qualified_name
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.plan.tensor_parallel import local_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,8 @@ class LoadPlan:
 def check_compatible(engine: LoadTarget, ckpt: ShardedCheckpoint, strict: bool, with_optimizer: bool) -> LoadPlan:
     """Raise :class:`CheckpointError` if the checkpoint does not describe this model (and its optimizers)."""
     where = ckpt.path
-    model = {n: tuple(p.shape) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
+    # a tensor-parallel parameter's block: what the checkpoint of this rank's TP coordinate holds
+    model = {n: local_shape(p) for flat in engine.flat_params for n, p in zip(flat.names, flat.params, strict=True)}
     stored = {name: tuple(param.shape) for name, (_, param) in ckpt.params.items()}
     wrong_shape = [
         f"{n}: checkpoint {stored[n]} vs model {shape}" for n, shape in model.items() if stored.get(n, shape) != shape

@@ -72,6 +72,7 @@ class _LocalComms:
     def __init__(self, log: CommunicationLog) -> None:
         self.everyone: Comm = local_comm(log)
         self.replicas: ReplicaComm | None = None
+        self.tensor: Comm | None = None  # a snapshot is written by one process: no tensor-parallel group
 
 
 class ModuleSnapshot:
