@@ -45,8 +45,11 @@ class TPSettings:
     clip: float | None = None
     """``gradient_clip_val`` (global 2-norm); None: no clipping."""
     steps: int = 4
+    """Optimizer steps."""
     batch: int = 2
-    """Samples per data-parallel rank per step (the reference's batch is ``dp * batch``)."""
+    """Samples per data-parallel rank per micro-batch (the reference's micro-batch is ``dp * batch``)."""
+    accumulate: int = 1
+    """``accumulate_grad_batches``: micro-batches per optimizer step."""
     dp: int = 2
     tp: int = 2
     seed: int = 0
@@ -54,7 +57,7 @@ class TPSettings:
 
     @property
     def samples(self) -> int:
-        return self.steps * self.dp * self.batch
+        return self.steps * self.accumulate * self.dp * self.batch
 
 
 @dataclass
@@ -64,7 +67,8 @@ class TPRun:
     state: dict[str, Tensor]
     """Final weights, full and unsharded, under :class:`TPLlama`'s ``state_dict`` names."""
     losses: list[float]
-    """Per optimizer step, the mean over data-parallel ranks (see [Note: the math the reference does])."""
+    """Per micro-batch (``training_step`` call), the mean over data-parallel ranks (see [Note: the math the
+    reference does])."""
     rank_losses: list[list[float]] = field(default_factory=list)
     """Per global rank, its own losses (empty for the reference)."""
     rank_seen: list[list[int]] = field(default_factory=list)
@@ -84,11 +88,11 @@ def _model_parallel(settings: TPSettings) -> Any:
                                  timeout=timedelta(seconds=60))
 
 
-def _zero(stage: int) -> Callable[[TPSettings], Any]:
+def _zero(stage: int, **options: Any) -> Callable[[TPSettings], Any]:
     def make(settings: TPSettings) -> Any:
         from zero_strategy.lightning.strategy import ZeroStrategy
 
-        return ZeroStrategy(stage=stage, tensor_parallel_size=settings.tp)
+        return ZeroStrategy(stage=stage, tensor_parallel_size=settings.tp, **options)
 
     return make
 
@@ -98,9 +102,11 @@ STRATEGIES: dict[str, Callable[[TPSettings], Any]] = {
     "zero1": _zero(1),
     "zero2": _zero(2),
     "zero3": _zero(3),
+    "zero3_p2p": _zero(3, collectives="point_to_point"),
 }
 """Strategy key -> factory, called inside each rank (strategies may not pickle). The ``zero*`` keys need
-``ZeroStrategy(tensor_parallel_size=...)`` (issue 36); add keys here (e.g. ``collectives="point_to_point"``)."""
+``ZeroStrategy(tensor_parallel_size=...)`` (issue 36); ``zero3_p2p`` is stage 3's network path (the others take
+``collectives="auto"``: shared memory on one host)."""
 
 
 def loader(settings: TPSettings) -> DataLoader:
@@ -117,9 +123,10 @@ def dp_orders(settings: TPSettings) -> list[list[int]]:
 
 
 def run_reference(settings: TPSettings) -> TPRun:
-    """One process, no TP; step ``k`` trains on the ``dp`` ranks' step-``k`` samples together (see [Note: the math
-    the reference does]). Clipping as Lightning's ``gradient_clip_val`` (``clip_grad_norm_`` over every parameter,
-    2-norm). ``rank_seen`` holds each *data-parallel* rank's expected order."""
+    """One process, no TP; micro-batch ``m`` is the ``dp`` ranks' micro-batch-``m`` samples together (see [Note: the
+    math the reference does]), its loss divided by ``accumulate`` before backward as Lightning does. Clipping as
+    Lightning's ``gradient_clip_val`` (``clip_grad_norm_`` over every parameter, 2-norm). ``rank_seen`` holds each
+    *data-parallel* rank's expected order."""
     model = build_llama(settings.config, settings.seed)
     optimizer = make_optimizer(settings.optimizer, model.parameters(), settings.lr)
     dataset = TokenSamples(settings.samples, settings.config, settings.data_seed)
@@ -127,14 +134,15 @@ def run_reference(settings: TPSettings) -> TPRun:
     losses: list[float] = []
     norms: list[float] = []
     for k in range(settings.steps):
-        tokens = dataset.tokens[[i for order in orders for i in order[k * b : (k + 1) * b]]]
         optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(model, tokens)
-        loss.backward()
+        for m in range(k * settings.accumulate, (k + 1) * settings.accumulate):
+            tokens = dataset.tokens[[i for order in orders for i in order[m * b : (m + 1) * b]]]
+            loss = lm_loss(model, tokens)
+            (loss / settings.accumulate).backward()
+            losses.append(float(loss.detach()))
         max_norm = float("inf") if settings.clip is None else settings.clip
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         optimizer.step()
-        losses.append(float(loss.detach()))
     return TPRun(state={k: v.detach().clone() for k, v in model.state_dict().items()}, losses=losses,
                  rank_seen=orders, grad_norms=norms)
 
@@ -154,8 +162,8 @@ def _fit_rank(rank: int, world_size: int, strategy: str, settings: TPSettings) -
     module = TPLlamaModule(settings.config, settings.optimizer, settings.lr, settings.seed)
     trainer = pl.Trainer(
         strategy=STRATEGIES[strategy](settings), accelerator="cpu", devices=world_size, max_steps=settings.steps,
-        max_epochs=1, gradient_clip_val=settings.clip, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_epochs=1, gradient_clip_val=settings.clip, accumulate_grad_batches=settings.accumulate, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(module, loader(settings))
     mesh = module.device_mesh
