@@ -34,7 +34,7 @@ from zero_strategy.estimate import (
     measure_activation_bytes,
     smallest_fitting,
 )
-from zero_strategy.estimate.fit import ModelFacts, model_facts
+from zero_strategy.estimate.fit import GPTFamily, Machine, ModelFacts, compare_peaks, model_facts
 from zero_strategy.estimate.memory import guess_unit_numel
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.testing import run_ranks
@@ -365,3 +365,22 @@ def test_cli_tensor_parallel_prints_the_mesh_and_refuses_a_size_not_dividing_the
     refused = _cli("--params", "7e9", "--world-size", "8", "--tensor-parallel", "3")
     assert refused.returncode != 0
     assert "zero-estimate: tensor_parallel=3 does not divide world_size=8" in refused.stderr
+
+
+@pytest.mark.timeout(60)
+def test_largest_under_tensor_parallel_names_whole_family_members_and_per_rank_counts(capsys):
+    from zero_strategy.estimate.cli import main
+
+    main(["--largest", "--family", "gpt", "--world-size", "4", "--tensor-parallel", "2", "--ram", "64GiB"])
+    family = capsys.readouterr().out
+    zero1 = next(line for line in family.splitlines() if line.startswith("zero1 "))
+    layers = int(re.search(r"\((\d+) layers, width (\d+)\)", zero1).group(1))
+    whole = float(zero1.split()[1]) * 1e9
+    member = GPTFamily().member(layers)
+    assert whole == pytest.approx(member.num_params, rel=1e-3) and "per TP rank" not in zero1
+    # the next member does not fit: its per-rank peak under TP 2 (4 ranks sharing the RAM) exceeds 85 % of it
+    machine = Machine(ram=64 * 2**30, ranks_per_node=4)
+    bigger = compare_peaks(GPTFamily().member(layers + 1), world_size=4, tensor_parallel=2, compute_device="cpu")[0]
+    assert not machine.fits(bigger)
+    main(["--largest", "--world-size", "4", "--tensor-parallel", "2", "--ram", "64GiB"])
+    assert "B params per TP rank" in capsys.readouterr().out

@@ -240,7 +240,10 @@ def format_largest(results: Sequence[Largest], machine: Machine, family: GPTFami
             continue
         shape = f" ({result.shape.n_layer} layers, width {result.shape.width})" if result.shape else ""
         p = result.peaks
-        lines.append(f"{label:<28} {p.estimate.num_params / 1e9:8.3f} B params{shape}: RAM/rank "
+        # a family member's own count; a bare count under tensor parallelism is one TP rank's part of it
+        count = result.shape.num_params if result.shape else p.estimate.num_params
+        part = " per TP rank" if result.shape is None and p.estimate.tensor_parallel > 1 else ""
+        lines.append(f"{label:<28} {count / 1e9:8.3f} B params{part}{shape}: RAM/rank "
                      f"{_gib(p.ram(machine.device_memory is None))} GiB, nvme/rank "
                      f"{_gib(max(p.setup.nvme, p.training.nvme))} GiB")
     return "\n".join(lines)
