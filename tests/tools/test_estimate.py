@@ -9,6 +9,8 @@ still holds them full-size then), optimizer state after the step.
 
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -32,6 +34,8 @@ from zero_strategy.estimate import (
     measure_activation_bytes,
     smallest_fitting,
 )
+from zero_strategy.estimate.fit import GPTFamily, Machine, ModelFacts, compare_peaks, model_facts
+from zero_strategy.estimate.memory import guess_unit_numel
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.testing import run_ranks
 
@@ -310,3 +314,73 @@ def test_cli_predicts_bytes_per_link_for_flat_hybrid_and_hierarchical(capsys):
     hierarchical = [float(x) for x in stage3[4].split()[2:]]
     assert hierarchical[1] == pytest.approx(4e9 / 2**30, abs=1e-3)
     assert hierarchical[0] == pytest.approx(6e9 / 2**30, abs=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+@pytest.mark.timeout(30)
+def test_tensor_parallel_shards_each_ranks_part_over_world_over_k():
+    """``tensor_parallel=K``: each rank holds Ψ_local = Ψ·(1 - f) + Ψ·f/K (f = 1 for a bare count), and ZeRO shards
+    that over world/K ranks: the paper's figures with Ψ_local and N = world/K (see [Note: which parameters the
+    estimate takes as tensor-parallel] in zero_strategy/estimate/tensor_parallel.py)."""
+    psi, world, k = 65e9, 16, 2
+    near = lambda got, want: abs(got - want) <= 0.001 * want  # noqa: E731
+    for fraction, local in ((None, psi / k), (0.5, psi * 0.5 + psi * 0.5 / k), (0.0, psi)):
+        options = {"tensor_parallel": k, "tp_fraction": fraction, "precision": "bf16-mixed"}
+        s1, s3 = (estimate_memory(psi, world_size=world, stage=s, **options) for s in (1, 3))
+        n = world // k
+        assert s1.num_params == round(local) and s1.tensor_parallel == k and s1.world_size == world
+        assert near(s1.parameters.device, 2 * local)  # stage 1: every rank's compute copy of its TP part
+        assert near(s1.master.device, 4 * local / n) and near(s1.optimizer_state.device, 8 * local / n)
+        assert near(s3.gradients.device, 4 * local / n)
+        # stage 3 (units whole in forward/backward): as for a model of Ψ_local on n ranks whose block is this
+        # rank's part of a block guessed from the whole count
+        unit = math.ceil(guess_unit_numel(psi) * (1 - (fraction if fraction is not None else 1.0) * (1 - 1 / k)))
+        same = estimate_memory(local, world_size=n, stage=3, precision="bf16-mixed", largest_unit_numel=unit)
+        assert s3.categories == same.categories
+        # the set-up arithmetic sees the same part and the same data-parallel ranks
+        assert model_facts(psi, world, **options) == ModelFacts(round(local), math.ceil(local / n), unit, unit)
+        assert any(f"tensor parallel {k}" in note for note in s1.notes)
+    plain = estimate_memory(psi, world_size=world, stage=2)
+    assert plain.tensor_parallel == 1 and not any("tensor parallel" in note for note in plain.notes)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("options", "words"), [
+    ({"world_size": 8, "tensor_parallel": 3}, "tensor_parallel=3 does not divide world_size=8"),
+    ({"world_size": 8, "tensor_parallel": 0}, "tensor_parallel=0: the tensor-parallel size must be at least 1"),
+    ({"world_size": 8, "tensor_parallel": 2, "tp_fraction": 1.5}, "tp_fraction=1.5: the share"),
+])  # fmt: skip
+def test_tensor_parallel_refuses_bad_sizes_with_what_to_do(options, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        estimate_memory(7e9, stage=3, **options)
+
+
+@pytest.mark.timeout(60)
+def test_cli_tensor_parallel_prints_the_mesh_and_refuses_a_size_not_dividing_the_world():
+    done = _cli("--params", "7e9", "--world-size", "8", "--tensor-parallel", "2", "--precision", "bf16-mixed")
+    assert done.returncode == 0, done.stderr
+    assert "3.5B parameters per tensor-parallel rank, 8 ranks (tensor parallel 2 x ZeRO over 4)" in done.stdout
+    zero3 = next(line.split() for line in done.stdout.splitlines() if line.startswith("zero3 "))
+    assert float(zero3[4]) == pytest.approx(8 * 3.5e9 / 4 / 2**30, abs=0.01)  # AdamW state: 8 B x Ψ_local / 4
+    refused = _cli("--params", "7e9", "--world-size", "8", "--tensor-parallel", "3")
+    assert refused.returncode != 0
+    assert "zero-estimate: tensor_parallel=3 does not divide world_size=8" in refused.stderr
+
+
+@pytest.mark.timeout(60)
+def test_largest_under_tensor_parallel_names_whole_family_members_and_per_rank_counts(capsys):
+    from zero_strategy.estimate.cli import main
+
+    main(["--largest", "--family", "gpt", "--world-size", "4", "--tensor-parallel", "2", "--ram", "64GiB"])
+    family = capsys.readouterr().out
+    zero1 = next(line for line in family.splitlines() if line.startswith("zero1 "))
+    layers = int(re.search(r"\((\d+) layers, width (\d+)\)", zero1).group(1))
+    whole = float(zero1.split()[1]) * 1e9
+    member = GPTFamily().member(layers)
+    assert whole == pytest.approx(member.num_params, rel=1e-3) and "per TP rank" not in zero1
+    # the next member does not fit: its per-rank peak under TP 2 (4 ranks sharing the RAM) exceeds 85 % of it
+    machine = Machine(ram=64 * 2**30, ranks_per_node=4)
+    bigger = compare_peaks(GPTFamily().member(layers + 1), world_size=4, tensor_parallel=2, compute_device="cpu")[0]
+    assert not machine.fits(bigger)
+    main(["--largest", "--world-size", "4", "--tensor-parallel", "2", "--ram", "64GiB"])
+    assert "B params per TP rank" in capsys.readouterr().out

@@ -57,7 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--model", help="package.module:ClassName, constructed with no arguments (or --model-kwargs) "
                       "on the meta device only: its shapes, never its memory")
     parser.add_argument("--model-kwargs", help='JSON keywords for --model, e.g. \'{"n_layers": 24}\'')
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs in total)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) in total")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                        help="tensor-parallel size: each rank holds its 1/K of every Linear and Embedding weight "
+                        "(or of --tp-fraction of the parameters) and ZeRO shards over world-size / K ranks")
+    parser.add_argument("--tp-fraction", type=float, metavar="F",
+                        help="with --tensor-parallel: the share of the parameters split K ways (default: the Linear "
+                        "and Embedding weights of --model, all of --params)")
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")
     parser.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--device-memory", type=parse_bytes, help="memory of one GPU: 80GB, 40GiB")
@@ -96,7 +102,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "root_unit_numel": args.root_unit_params, "prefetch": not args.no_prefetch,
         "activation_bytes": None if args.activations is None else int(args.activations),
         "compute_device": "cpu" if args.ram is not None and args.device_memory is None else "cuda",
-        "collectives": args.collectives,
+        "collectives": args.collectives, "tensor_parallel": args.tensor_parallel, "tp_fraction": args.tp_fraction,
     }  # fmt: skip
 
 
@@ -139,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         args.world_size = args.nodes * args.gpus_per_node
     if not args.largest and args.params is None and args.model is None:
         raise SystemExit("zero-estimate: give --params or --model (or --largest with --ram / --device-memory)")
+    if args.nodes is not None and args.tensor_parallel > 1:
+        raise SystemExit("zero-estimate: --nodes predicts ZeRO's traffic without tensor parallelism; the "
+                         "tensor-parallel traffic is not modelled: drop --nodes or --tensor-parallel")
     if args.plot:
         require_matplotlib()  # before the work, so a missing package costs nothing
     try:
@@ -231,7 +240,10 @@ def format_largest(results: Sequence[Largest], machine: Machine, family: GPTFami
             continue
         shape = f" ({result.shape.n_layer} layers, width {result.shape.width})" if result.shape else ""
         p = result.peaks
-        lines.append(f"{label:<28} {p.estimate.num_params / 1e9:8.3f} B params{shape}: RAM/rank "
+        # a family member's own count; a bare count under tensor parallelism is one TP rank's part of it
+        count = result.shape.num_params if result.shape else p.estimate.num_params
+        part = " per TP rank" if result.shape is None and p.estimate.tensor_parallel > 1 else ""
+        lines.append(f"{label:<28} {count / 1e9:8.3f} B params{part}{shape}: RAM/rank "
                      f"{_gib(p.ram(machine.device_memory is None))} GiB, nvme/rank "
                      f"{_gib(max(p.setup.nvme, p.training.nvme))} GiB")
     return "\n".join(lines)
@@ -285,8 +297,12 @@ def format_report(
     """The table, the cheapest configuration that fits ``machine`` (``fits``: one verdict per estimate, from
     :meth:`Machine.fits`), and the assumptions behind the numbers."""
     first = estimates[0]
+    tp = first.tensor_parallel
+    ranks = f"{first.world_size} ranks" + (f" (tensor parallel {tp} x ZeRO over {first.world_size // tp})" if tp > 1
+                                           else "")  # fmt: skip
+    per = " per tensor-parallel rank" if tp > 1 else ""
     lines = [
-        f"ZeRO memory per rank (GiB): {first.num_params / 1e9:.3g}B parameters, {first.world_size} ranks, "
+        f"ZeRO memory per rank (GiB): {first.num_params / 1e9:.3g}B parameters{per}, {ranks}, "
         f"{first.precision}, {first.optimizer}. Columns params..activ are on the device.",
         "",
         format_table(estimates, fits),

@@ -38,6 +38,7 @@ from zero_strategy.estimate.memory import (
     describe_model,
     estimate_memory,
 )
+from zero_strategy.estimate.tensor_parallel import TensorParallel
 
 HEADROOM = 0.15  # the share of RAM (and disk) the largest-model search leaves free
 
@@ -183,12 +184,16 @@ Subject = nn.Module | float | GPTShape
 
 def model_facts(subject: Subject, world_size: int, **options: Any) -> ModelFacts:
     """The set-up arithmetic's view of a model (planned as the engine would), a GPT shape or a bare count (units
-    guessed as in :mod:`.memory`; the largest tensor then assumed as large as a unit: conservative)."""
+    guessed as in :mod:`.memory`; the largest tensor then assumed as large as a unit: conservative). With
+    ``tensor_parallel``: one TP rank's part, sharded over the data-parallel ranks."""
+    tp = TensorParallel(size=options.get("tensor_parallel", 1), fraction=options.get("tp_fraction"))
+    world_size = tp.data_parallel_size(world_size)
     if isinstance(subject, nn.Module):
         keys = ("precision", "unit_modules", "min_unit_numel")  # how the engine would plan the units
-        shape = describe_model(subject, **{key: options[key] for key in keys if key in options})
+        local = tp.local_numel(subject)
+        shape = describe_model(subject, **{key: options[key] for key in keys if key in options}, local_numel=local)
         unit = max(sum(f.numel for f in flats) for flats in (shape.root, shape.largest))
-        biggest = max((p.numel() for p in subject.parameters()), default=0)
+        biggest = max((local(p) for p in subject.parameters()), default=0)
         padded = sum(f.padded(world_size) for f in shape.flats)
         return ModelFacts(padded, sum(f.shard(world_size) for f in shape.flats), unit, biggest)
     if isinstance(subject, GPTShape):
@@ -199,6 +204,7 @@ def model_facts(subject: Subject, world_size: int, **options: Any) -> ModelFacts
         psi = round(float(subject))
         unit = min(psi, options.get("largest_unit_numel") or guess_unit_numel(psi))
         biggest = unit
+    psi, unit, biggest = tp.local_count(psi), tp.local_count(unit), tp.local_count(biggest)
     return ModelFacts(psi, -(-psi // world_size), unit, biggest)
 
 

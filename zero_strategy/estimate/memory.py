@@ -42,6 +42,7 @@ from zero_strategy.estimate.shapes import (
     describe_model,
     guess_unit_numel,
 )
+from zero_strategy.estimate.tensor_parallel import TensorParallel
 
 __all__ = [
     "CONFIGURATIONS",
@@ -81,29 +82,42 @@ class EstimateOptions:
     # "point_to_point": CPU ranks gather and reduce through the network, as when asked for or when /dev/shm lacks
     # room under "auto" (see ZeroConfig.collectives); "auto": through shared memory where a run would use it
     collectives: str = "auto"
+    tensor_parallel: int = 1  # K: each rank holds its TP shards; ZeRO shards them over world_size / K ranks
+    tp_fraction: float | None = None  # see [Note: which parameters the estimate takes as tensor-parallel]
 
     def __post_init__(self) -> None:
         if self.collectives not in ("auto", "point_to_point"):
             raise ValueError(f"collectives={self.collectives!r}: use 'auto' or 'point_to_point'")
+        TensorParallel(size=self.tensor_parallel, fraction=self.tp_fraction)  # validates both
+
+    @property
+    def tp(self) -> TensorParallel:
+        return TensorParallel(size=self.tensor_parallel, fraction=self.tp_fraction)
 
 
 def _prepare(model_or_param_count: nn.Module | float, o: EstimateOptions) -> tuple[ModelShape, int | None]:
     """The model's shape and activations: what every configuration of one comparison shares."""
     dtype = COMPUTE_DTYPES[normalize_precision(o.precision)]
     state_bytes_per_element(o.optimizer)  # an unknown name fails before any measurement
+    tp = o.tp  # one TP rank's part of every count (see [Note: which parameters the estimate takes as tensor-parallel])
+    largest, root = (None if n is None else tp.local_count(n) for n in (o.largest_unit_numel, o.root_unit_numel))
     if not isinstance(model_or_param_count, nn.Module):
         if o.sample_batch is not None:
             raise ValueError("sample_batch needs a model to run: pass the nn.Module, not a parameter count")
         psi = round(float(model_or_param_count))
         if psi < 1:
             raise ValueError(f"the parameter count must be positive, got {model_or_param_count!r}")
-        return count_shape(psi, dtype, o.largest_unit_numel, o.root_unit_numel), o.activation_bytes
+        if tp.size > 1 and largest is None:  # a block of the whole model, split as the plan splits it
+            largest = tp.local_count(guess_unit_numel(psi))
+        shape = count_shape(tp.local_count(psi), dtype, largest, root)
+        guessed = o.largest_unit_numel is None or o.root_unit_numel is None
+        return replace(shape, guessed_units=guessed), o.activation_bytes
     model = model_or_param_count
-    shape = describe_model(model, o.precision, o.unit_modules, o.min_unit_numel)
-    if o.largest_unit_numel is not None:
-        shape = replace(shape, largest=(FlatSpec(o.largest_unit_numel, dtype, torch.float32, True),))
-    if o.root_unit_numel is not None:
-        shape = replace(shape, root=(FlatSpec(o.root_unit_numel, dtype, torch.float32, True),))
+    shape = describe_model(model, o.precision, o.unit_modules, o.min_unit_numel, tp.local_numel(model))
+    if largest is not None:
+        shape = replace(shape, largest=(FlatSpec(largest, dtype, torch.float32, True),))
+    if root is not None:
+        shape = replace(shape, root=(FlatSpec(root, dtype, torch.float32, True),))
     activations = o.activation_bytes
     if activations is None and o.sample_batch is not None:
         activations = measure_activation_bytes(model, o.sample_batch, o.precision, o.loss_fn)
@@ -115,6 +129,7 @@ def _estimate(
 ) -> MemoryEstimate:
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    data_parallel = o.tp.data_parallel_size(world_size)  # the ranks ZeRO shards each TP rank's part over
     # ZeroConfig refuses what a run would refuse (offload_param below stage 3, nvme params without nvme masters)
     config = ZeroConfig(stage=stage, offload_optimizer=OffloadDevice(offload[0]),
                         offload_param=OffloadDevice(offload[1]), nvme_path="<estimate>")  # fmt: skip
@@ -122,7 +137,7 @@ def _estimate(
     precision = normalize_precision(o.precision)
     mixed = COMPUTE_DTYPES[precision] != torch.float32
     setup = RunSetup(
-        world_size=world_size, stage=config.zero_stage, reduce_dtype=o.reduce_dtype if mixed else None,
+        world_size=data_parallel, stage=config.zero_stage, reduce_dtype=o.reduce_dtype if mixed else None,
         offload_optimizer=config.offload_optimizer, offload_param=config.offload_param,
         state_bytes=state_bytes_per_element(o.optimizer), prefetch=o.prefetch, nvme_chunk_numel=o.nvme_chunk_numel,
         accelerator=o.compute_device != "cpu", network=o.collectives == "point_to_point",
@@ -133,7 +148,8 @@ def _estimate(
         parameters=parameters_bytes(shape, setup), master=master_bytes(shape, setup),
         gradients=gradients_bytes(shape, setup), optimizer_state=optimizer_state_bytes(shape, setup),
         communication=communication_bytes(shape, setup), activations=Placed(device=activations or 0),
-        notes=notes(shape, setup, activations is not None),
+        notes=notes(shape, setup, activations is not None) + ((o.tp.note,) if o.tp.note else ()),
+        tensor_parallel=o.tp.size,
     )  # fmt: skip
 
 

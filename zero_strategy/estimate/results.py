@@ -67,6 +67,7 @@ class MemoryEstimate:
     communication: Placed  # transient reduce / gather-source buffers of the largest unit
     activations: Placed  # saved for backward by one forward of sample_batch (0 when not measured)
     notes: tuple[str, ...] = ()
+    tensor_parallel: int = 1  # K: ZeRO shards over world_size / K ranks, num_params is one TP rank's
 
     @property
     def categories(self) -> dict[str, Placed]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,26 +45,30 @@ class ModelShape:
     guessed_units: bool = False
 
 
-def _unit_flats(named: list[tuple[str, nn.Parameter]], keep_fp32: set[int], dtype: torch.dtype) -> list[FlatSpec]:
+def _unit_flats(named: list[tuple[str, nn.Parameter]], keep_fp32: set[int], dtype: torch.dtype,
+                numel: Callable[[nn.Parameter], int]) -> list[FlatSpec]:  # fmt: skip
     """Group a unit's parameters as ``ZeroUnit`` does: one FlatParam per (dtype, compute dtype, trained)."""
     kinds: dict[tuple[torch.dtype, torch.dtype, bool], int] = {}
     for _, param in named:
         floating = param.is_floating_point() and id(param) not in keep_fp32
         compute = dtype if floating and dtype != torch.float32 else param.dtype
         key = (param.dtype, compute, param.requires_grad)
-        kinds[key] = kinds.get(key, 0) + param.numel()
+        kinds[key] = kinds.get(key, 0) + numel(param)
     return [FlatSpec(numel, compute, stored, trained) for (stored, compute, trained), numel in kinds.items()]
 
 
 def describe_model(
-    model: nn.Module, precision: str = "32-true", unit_modules: Sequence[str] = (), min_unit_numel: int | None = None
-) -> ModelShape:
-    """The FlatParams and units ``ZeroEngine`` would build for ``model`` (works on a ``meta``-device model)."""
+    model: nn.Module, precision: str = "32-true", unit_modules: Sequence[str] = (), min_unit_numel: int | None = None,
+    local_numel: Callable[[nn.Parameter], int] | None = None,
+) -> ModelShape:  # fmt: skip
+    """The FlatParams and units ``ZeroEngine`` would build for ``model`` (works on a ``meta``-device model).
+    ``local_numel``: the elements a rank holds of each parameter (tensor parallelism: its shard); default all."""
     dtype = COMPUTE_DTYPES[normalize_precision(precision)]
     threshold = ENGINE_DEFAULTS.min_unit_numel if min_unit_numel is None else min_unit_numel
     plans = plan_units(model, choose_unit_modules(model, list(unit_modules), threshold))
     keep_fp32 = MixedPrecisionPolicy(dtype).full_precision_params(model) if dtype != torch.float32 else set()
-    units = {plan.name: tuple(_unit_flats(plan.named_params, keep_fp32, dtype)) for plan in plans}
+    numel = local_numel or (lambda param: param.numel())
+    units = {plan.name: tuple(_unit_flats(plan.named_params, keep_fp32, dtype, numel)) for plan in plans}
     others = [flats for name, flats in units.items() if name]
     largest = max(others, key=lambda flats: sum(f.numel for f in flats), default=())
     num_params = sum(f.numel for flats in units.values() for f in flats)

@@ -1,0 +1,36 @@
+"""Smoke test of ``python -m benchmarks.bench_tp``: the tiny Llama on 2 DP x 2 TP ranks, read from the printed
+table. The ``mps`` row's walked model state is checked against the arithmetic of FSDP2 over TP shards: each of the 4
+ranks holds a quarter of every Linear and Embedding weight (split over both mesh dimensions) and half of every norm
+weight (replicated over TP, sharded over DP), fp32, and AdamW's two moments of each."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.bench_report import table_rows
+from helpers.tp_llama import build_llama
+
+from benchmarks.bench_tp import SIZES, main, table
+
+MiB = 2**20
+
+
+@pytest.mark.timeout(180)  # ~25 s measured with both cores busy (a fresh interpreter forking 4 ranks)
+def test_model_parallel_row_holds_a_quarter_of_the_model_state(capsys):
+    report = main(["--size", "tiny", "--methods", "mps", "--steps", "2", "--batch", "2"])
+    assert report in capsys.readouterr().out
+    rows = table_rows(report)
+    assert list(rows) == ["mps"], rows
+    cells = rows["mps"]
+    held = sum(p.numel() / (2 if name.endswith("norm.weight") else 4)
+               for name, p in build_llama(SIZES["tiny"]).named_parameters())
+    assert float(cells[3]) == pytest.approx(4 * held / MiB, abs=0.006)  # params MiB, two decimals printed
+    assert float(cells[5]) == pytest.approx(8 * held / MiB, abs=0.006)  # AdamW: exp_avg + exp_avg_sq
+    assert float(cells[1]) > 0 and cells[7] == "1.00x" and cells[8] == "1.00x"
+
+
+def test_a_failed_method_prints_n_a_and_its_error():
+    ranks = [{"peak": 100 * MiB, "walk": (10 * MiB, 10 * MiB, 20 * MiB)} for _ in range(4)]
+    report = table({"mps": ranks, "zero3": "TypeError: unexpected keyword 'tensor_parallel_size'"})
+    rows = table_rows(report)
+    assert rows["zero3"][1:] == ["n/a"] * 8
+    assert "zero3: n/a, TypeError: unexpected keyword 'tensor_parallel_size'" in report
