@@ -71,3 +71,27 @@ def test_tp_plan_refuses_sizes_the_tp_size_does_not_divide() -> None:
     expected = r"sizes {'n_heads': 4, 'vocab': 128, 'seq': 16} are not divisible by the tensor-parallel size 3"
     with pytest.raises(ValueError, match=expected):
         apply_tp_plan(model, _Mesh(3))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def accumulated_adamw() -> tuple[TPSettings, TPRun, TPRun]:
+    """AdamW, clipping, 2 micro-batches per step: the reference and ModelParallelStrategy's run."""
+    settings = TPSettings(optimizer="adamw", lr=3e-3, clip=0.5, accumulate=2)
+    return settings, run_reference(settings), run_2d("mps", settings)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3_p2p"])
+def test_zero_over_data_parallel_equals_one_process_and_model_parallel_strategy(
+    accumulated_adamw: tuple[TPSettings, TPRun, TPRun], strategy: str
+) -> None:
+    """Issue 36's bar: ``ZeroStrategy(stage=s, tensor_parallel_size=2)`` on the same module (the plan applied in
+    ``configure_model``, fully_shard only under ModelParallelStrategy) trains as one process does and as
+    ModelParallelStrategy does, both run here; stage 3 on one host's shared memory and on the network path."""
+    settings, ref, model_parallel = accumulated_adamw
+    got = run_2d(strategy, settings)
+    assert got.mesh_coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    check_run(got, ref, settings)
+    assert_values_close(got.losses, model_parallel.losses, TOLERANCE, "losses against ModelParallelStrategy",
+                        floor=1e-12)
+    assert_state_close(got.state, model_parallel.state, TOLERANCE, "weights against ModelParallelStrategy")

@@ -22,16 +22,18 @@ from helpers.compare import assert_state_close
 from helpers.launched import as_launched_rank
 from helpers.tp_toy import ToyTPModule, apply_plan, full_state, make_model, reference_run, reference_states
 from lightning.pytorch.strategies import ModelParallelStrategy
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import fully_shard
 
 from zero_strategy import ZeroStrategy
 from zero_strategy.adapter_plumbing.process_group import tensor_parallel_mesh
+from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.config import ZeroConfigError
 from zero_strategy.testing import run_ranks
 
 STEPS, ROWS_PER_RANK, CLIP, WORLD, TP = 3, 2, 0.5, 4, 2
 PRECISIONS = ("bf16-mixed", "16-mixed")
+SAVED_AFTER_FIT = ("zero1", "zero3-point_to_point")
 
 FITS = {
     "zero1": lambda: ZeroStrategy(stage=1, tensor_parallel_size=TP),
@@ -58,10 +60,12 @@ class FullyShardedEverywhere(ToyTPModule):
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
-def _fit(name: str) -> dict[str, Any]:
+def _fit(name: str, save_dir: str) -> dict[str, Any]:
     trainer = _trainer(FITS[name]())
     module = ToyTPModule(rows=ROWS_PER_RANK)
     trainer.fit(module)
+    if name in SAVED_AFTER_FIT:  # the engine released the module: the save writes what the module holds
+        trainer.save_checkpoint(f"{save_dir}/{name}.ckpt")
     strategy = trainer.strategy
     return {"state": full_state(module.net), "sampler": strategy.distributed_sampler_kwargs,
             "mesh": tuple(strategy.device_mesh.shape)}
@@ -94,9 +98,9 @@ def _refused(module: pl.LightningModule) -> str:
     return "no error"
 
 
-def fit_each(rank: int, world: int, pretrained: str) -> dict[str, Any]:
+def fit_each(rank: int, world: int, pretrained: str, save_dir: str) -> dict[str, Any]:
     as_launched_rank(rank, world)
-    results: dict[str, Any] = {name: _fit(name) for name in FITS}
+    results: dict[str, Any] = {name: _fit(name, save_dir) for name in FITS}
     results["pretrained"] = _pretrained(pretrained)
     for precision in PRECISIONS:
         results[precision] = _low_precision(precision)
@@ -105,10 +109,17 @@ def fit_each(rank: int, world: int, pretrained: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    path = Path(tmp_path_factory.mktemp("tp")) / "pretrained.safetensors"
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pretrained file the runs read and the checkpoints they save after fit."""
+    return Path(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(scope="module")
+def runs(workdir: Path) -> list[dict[str, Any]]:
+    path = workdir / "pretrained.safetensors"
     save_file({f"net.{key}": value.contiguous() for key, value in make_model(seed=7).state_dict().items()}, str(path))
-    return run_ranks(fit_each, WORLD, str(path), timeout_s=600, pg_timeout_s=120.0)
+    return run_ranks(fit_each, WORLD, str(path), str(path.parent), timeout_s=600, pg_timeout_s=120.0)
+
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +170,15 @@ def test_low_precision_trains_as_fp32_does_and_keeps_tensor_parallel_replicas_eq
     for rank, results in enumerate(runs):
         # fails on a non-finite value too (tests/helpers/compare.py)
         assert_state_close(results[precision]["state"], runs[0][precision]["state"], rel=0.0, what=f"rank {rank}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", SAVED_AFTER_FIT)
+def test_a_save_after_fit_consolidates_to_the_trained_model(runs: list[dict[str, Any]], workdir: Path,
+                                                            tmp_path: Path, name: str) -> None:  # fmt: skip
+    output = consolidate(workdir / f"{name}.ckpt", tmp_path / "model.safetensors", progress=False)
+    assert_state_close({k.removeprefix("net."): v for k, v in load_file(str(output)).items()},
+                       runs[0][name]["state"], rel=0.0, what=name)
 
 
 @pytest.mark.timeout(600)

@@ -31,6 +31,7 @@ from zero_strategy.core.flat.access import forget_owner
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.param_values import point_at
 from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
+from zero_strategy.core.plan.tensor_parallel import local_part
 
 
 def gather_into_module(flat: FlatParam) -> None:
@@ -69,7 +70,8 @@ def adopt_module_values(flats: Iterable[FlatParam]) -> None:
             for name, param in zip(flat.names, flat.params, strict=True):
                 if param.is_meta:
                     continue
-                for piece, values in own_parts(flat, name, param.detach()):
+                # a tensor-parallel parameter: its own block (the flat layout is of local blocks)
+                for piece, values in own_parts(flat, name, local_part(param.detach())):
                     flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
 
 
