@@ -16,10 +16,10 @@ this rank's own sum. A read is answered instead of torch's attribute:
   (lightning/gradient_hooks.py: code that reads there pays DDP's memory of full gradients during the window, other
   code keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
   :class:`GradientReadError` naming the remedies: no value it could return is DDP's.
-- otherwise the averaged gradient, in fp32 (the master dtype: under bf16/fp16 DDP's parameters and gradients are
-  fp32 too, so this is its value): the first read after the gradients changed reduces whatever is still pending
-  (stage 1) and gathers every FlatParam's slices into one fp32 copy per FlatParam, which later reads return views
-  of. That first read is a collective (every rank reads, as every rank of DDP synchronizes); Lightning's gradient
+- otherwise the averaged gradient, in the masters' dtype (fp32 under mixed precision, where DDP's parameters and
+  gradients are fp32 too; the parameters' own dtype where the module itself is bf16/fp16, as DDP's gradient is):
+  the first read after the gradients changed reduces whatever is still pending (stage 1) and gathers every
+  FlatParam's slices into one copy per FlatParam, which later reads return views of. That first read is a collective (every rank reads, as every rank of DDP synchronizes); Lightning's gradient
   hooks, where a read may happen on one rank only (``rank_zero_only``), make it before the hook runs (see
   :meth:`DdpGradients.gather_now`) when the module or a callback overrides one of them.
 - None where no rank produced a gradient since it was last cleared, as under DDP. ``nn.Module.zero_grad()``
@@ -29,8 +29,12 @@ The copies are dropped when the gradients change (a reduction lands, fp16 unscal
 and when the optimizer step starts (the optimizer's own memory peaks there). A change a user makes to a returned
 gradient in place (``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)``, ``p.grad.mul_(...)``) is moved into
 this rank's slices before the engine reads them next (the step, clipping, norms): every rank makes the same change,
-as DDP's replicas do, so each rank's own range carries it. A gradient replaced by assignment (``p.grad = t``) is not
-taken into the step (the engine's slices stay what backward produced).
+as DDP's replicas do, so each rank's own range carries it. A gradient replaced by assignment (``p.grad = t``, in a
+hook or in manual optimization) is what the step uses, as under DDP: ``t`` is the rank's whole gradient, so this
+rank's range of it replaces the parameter's range of the slices (and nothing of the parameter still waits to be
+reduced); inside an accumulation window with the gradients held, ``t`` becomes this rank's own sum. ``p.grad =
+None`` clears the parameter's gradient: the step skips it (see [Note: unused parameters] in engine/unused.py). Every
+rank assigns, as every DDP replica does; no exchange is made.
 
 Where reads are seen: a stage-3 parameter has its sharded class outside forward (core/flat/access.py); stages 1/2
 give their parameters a class that sees ``.grad`` reads from the end of each backward to the next forward
@@ -60,7 +64,7 @@ class GradientReadError(RuntimeError):
 
 @dataclass(slots=True)
 class _Copy:
-    """One FlatParam's averaged gradient, whole, in fp32."""
+    """One FlatParam's averaged gradient, whole, in the masters' dtype."""
 
     whole: Tensor
     slices_version: int  # the FlatParam's gradient version it was gathered at
@@ -149,6 +153,34 @@ class DdpGradients:
         # here), and whether to gather must be the same answer on every rank
         return self._averaged(flat, index)
 
+    def write(self, flat: FlatParam, index: int, value: Tensor | None) -> bool:
+        """``p.grad = value`` for parameter ``index`` of ``flat`` (see [Note: p.grad as under DDP]); False where no
+        optimizer steps it (torch's attribute takes it). Local: every rank assigns, as every DDP replica does."""
+        if not flat.trainable or not flat.optimizers:
+            return False
+        name, span = flat.names[index], flat.layout.spans[index]
+        if value is not None and (not isinstance(value, Tensor) or tuple(value.shape) != tuple(span.shape)):
+            what = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+            raise RuntimeError(f"ZeRO: {name}.grad was assigned {what}; assign a tensor of the parameter's shape "
+                               f"{tuple(span.shape)}, or None.")
+        if self.last_backward_reduced_early:
+            raise GradientReadError(
+                f"ZeRO: {name}.grad was assigned inside a gradient accumulation window, where DDP's holds this rank's "
+                "own sum; stages 2/3 reduced it already. Keep the window's gradients on the module (override "
+                "on_after_backward under the Trainer; Fabric's no_backward_sync), assign at the window's end "
+                "(on_before_optimizer_step), or use zero1."
+            )
+        self.take_edits_of(flat)  # edits made to a returned gradient before the assignment go in first
+        held = self.last_backward_held
+        flat.grads.assign(index, value, held)
+        copy = self._copies.get(id(flat))
+        if copy is not None:  # later reads see the assignment without gathering again
+            part = copy.whole[span.offset : span.end]
+            with torch.no_grad():
+                part.zero_() if value is None or held else part.copy_(value.detach().reshape(-1))
+            copy.slices_version, copy.edits_seen = flat.grads.version, copy.whole._version
+        return True
+
     def forget(self, flat: FlatParam, index: int) -> None:
         """``nn.Module.zero_grad()`` cleared parameter ``index``'s gradient (as DDP's, on every rank): its elements
         of this rank's slices (and of the fp32 stash) become zeros and it counts as not produced. Local."""
@@ -189,7 +221,8 @@ class DdpGradients:
         for flat in self.flats:
             if not (flat.trainable and flat.optimizers):
                 continue
-            own = torch.zeros(flat.shard.numel(), dtype=torch.float32, device=flat.full.device)
+            # the masters' dtype: fp32 under mixed precision (DDP's parameters are fp32 there), else the parameters'
+            own = torch.zeros(flat.shard.numel(), dtype=flat.shard.dtype, device=flat.full.device)
             for piece, offset in flat.pieces:
                 if piece.grad is not None:
                     own[offset : offset + piece.numel()].copy_(piece.grad.reshape(-1))

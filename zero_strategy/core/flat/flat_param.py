@@ -155,6 +155,14 @@ class FlatParam:
         index = next(i for i, candidate in enumerate(self.params) if candidate is param)
         return reader(self, index, torch_value)
 
+    def write_grad(self, param: Tensor, value: Tensor | None) -> bool:
+        """A user's ``param.grad = value``: whether the engine took it (False: torch's attribute is the answer)."""
+        reader = self.grad_reader() if self.grad_reader is not None else None
+        if reader is None:
+            return False
+        index = next(i for i, candidate in enumerate(self.params) if candidate is param)
+        return reader.__self__.write(self, index, value)
+
     def forget_grad(self, param: Tensor) -> None:
         """``nn.Module.zero_grad()`` cleared ``param``'s gradient: so does the engine."""
         reader = self.grad_reader() if self.grad_reader is not None else None

@@ -36,6 +36,23 @@ def is_grad_getter(func: Any) -> bool:
     return getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") == "grad"
 
 
+def is_grad_setter(func: Any) -> bool:
+    """Whether ``__torch_function__`` was called for an assignment ``p.grad = value``."""
+    owner = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__set__" and getattr(owner, "__name__", "") == "grad"
+
+
+def answer_grad_write(param: Tensor, owner: Any, value: Tensor | None) -> None:
+    """A user's ``param.grad = value``, called from a ``__torch_function__``: the engine takes it into its
+    gradient slices through ``owner`` (its FlatParam), or, where the engine does not step the parameter (or is
+    gone), torch's attribute is set. ``nn.Module.zero_grad`` assigns None after its read cleared the gradient
+    (see :func:`answer_grad_read`): torch's attribute only."""
+    zero_grad = sys._getframe(2).f_code is nn.Module.zero_grad.__code__
+    if owner is None or zero_grad or not owner.write_grad(param, value):
+        with torch._C.DisableTorchFunctionSubclass():
+            param.grad = value
+
+
 def answer_grad_read(param: Tensor, owner: Any, torch_value: Tensor | None) -> Tensor | None:
     """A user's read of ``param.grad``, called from a ``__torch_function__``: the engine's answer through
     ``owner`` (its FlatParam; None once the engine is gone). ``nn.Module.zero_grad`` reads it only to clear it:
@@ -54,6 +71,10 @@ class _GradWatched:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_grad_setter(func):
+            owner = args[0].__dict__.get(WATCHED_KEY)
+            answer_grad_write(args[0], owner() if owner is not None else None, args[1])
+            return None
         with torch._C.DisableTorchFunctionSubclass():
             value = func(*args, **(kwargs or {}))
         if is_grad_getter(func):
