@@ -276,6 +276,9 @@ class FlatParam:
     def write_whole(self, whole: Tensor, label: str) -> None:
         """See master_writes.write_whole (a collective)."""
         master_writes.write_whole(self, whole, label, in_use=self.state is ParamState.UNSHARDED)
+        if self._private is not None:  # inside gathered_parameters() on one host: the module reads this copy
+            with torch.no_grad():
+                self._private.copy_(whole)
 
     def take_in_place_changes(self) -> list[str]:
         """Stages 1/2 with masters apart from the parameters: the parameters changed in place since the last step
