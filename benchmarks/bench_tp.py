@@ -44,7 +44,7 @@ from helpers.tp_llama import LlamaConfig, TPLlamaModule  # noqa: E402
 from helpers.tp_runs import STRATEGIES, TPSettings, loader  # noqa: E402
 
 MiB = 2**20
-METHODS = ("mps", "zero1", "zero2", "zero3")
+METHODS = ("mps", "zero1", "zero2", "zero3", "zero3_p2p")
 SIZES = {
     # ~34 M parameters: 8 blocks of 3.2 M (attention 4 x 512^2, SwiGLU 3 x 512 x 1376), 2 x 8192 x 512 embeddings
     "34m": LlamaConfig(dim=512, n_layers=8, n_heads=8, vocab=8192, seq=64, ffn_hidden=1376),

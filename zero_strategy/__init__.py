@@ -16,7 +16,7 @@ from zero_strategy.config import OffloadDevice, ZeroConfig, ZeroConfigError  # n
 from zero_strategy.core.engine.engine import ZeroEngine  # noqa: E402
 from zero_strategy.core.engine.memory import MemoryReport  # noqa: E402
 from zero_strategy.core.flat.access import ShardedParameterError  # noqa: E402
-from zero_strategy.core.flat.in_place_watch import InPlaceChangeWarning  # noqa: E402
+from zero_strategy.core.flat.in_place_watch import InPlaceChangeError, InPlaceChangeWarning  # noqa: E402
 from zero_strategy.core.stage import ZeroStage  # noqa: E402
 from zero_strategy.gradients import grad_norm  # noqa: E402
 from zero_strategy.version import library_version  # noqa: E402
@@ -24,6 +24,7 @@ from zero_strategy.version import library_version  # noqa: E402
 __version__ = library_version()
 
 __all__ = [
+    "InPlaceChangeError",
     "InPlaceChangeWarning",
     "MemoryReport",
     "OffloadDevice",

@@ -3,7 +3,8 @@ trains DDP's weights; a ``state_dict_type="full"`` file holds the user's keys on
 the consolidated file holds the user's keys] in zero_strategy/fabric/checkpoint.py); ``fabric.load_raw`` reads a
 torch file whatever its name, as DDP's ``torch.load`` does, and refuses clearly what is no weights file; ``p.grad``
 after ``fabric.backward`` (inside and at the end of a ``no_backward_sync`` window) and ``fabric.clip_gradients`` is
-DDP's, and a clip by hand with torch's ``clip_grad_norm_`` is what the step uses. Stages 1, 2, 3 (stage 3 on both
+DDP's, and a clip by hand with torch's ``clip_grad_norm_`` and gradients replaced by assignment (``p.grad = t``,
+``p.grad = None``) are what the step uses. Stages 1, 2, 3 (stage 3 on both
 transports), 1 and 2 processes, DDP in the same run."""
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
 
 def grad_reads_each(rank: int, world: int) -> dict[str, Any]:
     """Each strategy: 2 steps of 2 micro-batches (the first under ``no_backward_sync``); ``p.grad`` after each
-    ``fabric.backward``, after ``fabric.clip_gradients`` and after a further clip by hand with torch's
-    ``clip_grad_norm_`` (what the step then uses), and after the step."""
+    ``fabric.backward``, after ``fabric.clip_gradients``, after a further clip by hand with torch's
+    ``clip_grad_norm_`` and after replacing one gradient and clearing another (what the step then uses), and after
+    the step."""
     as_launched_rank(rank, world)
     out: dict[str, Any] = {}
     for name in ("ddp", *STRATEGIES):
@@ -211,6 +213,10 @@ def grad_reads_each(rank: int, world: int) -> dict[str, Any]:
             seen[f"{step}/norm"] = fabric.clip_gradients(model, optimizer, max_norm=1.0).detach().clone()
             seen[f"{step}/clipped"] = _grads(model)
             seen[f"{step}/by_hand"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).detach().clone()
+            params = list(model.parameters())
+            params[0].grad = params[0].grad * -2.0 + 0.01  # replaced: the step uses it
+            params[-1].grad = None  # cleared: the step skips it (AdamW leaves it and its state alone)
+            seen[f"{step}/assigned"] = _grads(model)
             optimizer.step()
             seen[f"{step}/after_step"] = _grads(model)
             optimizer.zero_grad()

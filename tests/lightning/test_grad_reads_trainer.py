@@ -9,6 +9,7 @@ launch; zero1/2/3, stage 3 on one host's shared memory and on ``collectives="poi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -99,8 +100,16 @@ def norms_each(rank: int, world: int, precision: str) -> dict[str, list]:
 def test_p_grad_is_unscaled_in_on_before_optimizer_step(precision: str) -> None:
     for rank, runs in enumerate(run_ranks(norms_each, 2, precision, timeout_s=300)):
         for strategy, pairs in runs.items():
-            assert pairs, strategy  # fp16: the steps the loss scale skips run no hook
+            assert pairs, strategy
+            compared = 0
             for step, (lightnings, ours) in enumerate(pairs):
                 where = f"rank {rank}, {strategy}, {precision}, step {step}"
                 assert lightnings.keys() == ours.keys(), where
+                if not all(math.isfinite(v) for v in lightnings.values()):  # fp16: a step the loss scale skips
+                    # runs the hook too, as Lightning's DDP does: both read the same non-finite gradients
+                    assert [math.isfinite(v) for v in lightnings.values()] == [
+                        math.isfinite(v) for v in ours.values()], where
+                    continue
                 assert_values_close(list(lightnings.values()), list(ours.values()), rel=1e-5, what=where)
+                compared += 1
+            assert compared > 0, f"{strategy}: no finite step was compared"

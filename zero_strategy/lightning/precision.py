@@ -2,10 +2,11 @@
 
 It owns the order of an optimizer step, which ZeRO changes: the closure (forward + backward) runs; the engine makes
 the reduced gradient slices available; with fp16 they are unscaled and checked for inf/NaN on every rank (one
-scalar all-reduce, so all ranks agree); an overflow skips the step everywhere — no optimizer step, gradients
-dropped, the LR scheduler held back — otherwise Lightning's ``on_before_optimizer_step`` and clipping run on the
-slices (clipping by norm sees the global norm), the optimizer steps the fp32 master slices and the engine
-propagates the new values into the compute-dtype parameters. It contains no collectives: it calls the engine.
+scalar all-reduce, so all ranks agree); Lightning's ``on_before_optimizer_step`` and clipping run on the slices
+(clipping by norm sees the global norm), on a step that overflowed too, as under Lightning's DDP (its GradScaler
+skips after them); an overflow then skips the step everywhere — no optimizer step, gradients dropped, the LR
+scheduler held back — otherwise the optimizer steps the fp32 master slices and the engine propagates the new values
+into the compute-dtype parameters. It contains no collectives: it calls the engine.
 """
 
 from __future__ import annotations
@@ -148,12 +149,15 @@ class ZeroPrecision(Precision):
         assert isinstance(optimizer, Optimizer)
         closure_result = closure()
         with self.engine.step_window(optimizer) as window:
-            if self.scaler is not None and self._skip_on_overflow(optimizer, model):
-                window.skip()  # the window drops the gradients on every rank: nothing moves
-                return closure_result
+            overflow = self.scaler is not None and self._skip_on_overflow(optimizer, model)
             if isinstance(model, LightningModule):
+                # a step the loss scale skips runs the hooks too, as Lightning's DDP does (its GradScaler skips
+                # after them): they read the non-finite unscaled gradients
                 self._gather_for_gradient_hooks(model)  # on_before_optimizer_step, configure_gradient_clipping
                 self._after_closure(model, optimizer)
+            if overflow:
+                window.skip()  # the window drops the gradients on every rank: nothing moves
+                return closure_result
             if self.precision != "16-mixed":  # see [Note: the closure the optimizer's step receives]
                 kwargs = {"closure": _AlreadyRun(closure_result), **kwargs}
             result = self.engine.step(optimizer, **kwargs)

@@ -15,13 +15,16 @@ this rank's own sum. A read is answered instead of torch's attribute:
   ``no_backward_sync`` always, Lightning's window when the module or a callback overrides ``on_after_backward``
   (lightning/gradient_hooks.py: code that reads there pays DDP's memory of full gradients during the window, other
   code keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
-  :class:`GradientReadError` naming the remedies: no value it could return is DDP's.
-- otherwise the averaged gradient, in fp32 (the master dtype: under bf16/fp16 DDP's parameters and gradients are
-  fp32 too, so this is its value): the first read after the gradients changed reduces whatever is still pending
-  (stage 1) and gathers every FlatParam's slices into one fp32 copy per FlatParam, which later reads return views
-  of. That first read is a collective (every rank reads, as every rank of DDP synchronizes); Lightning's gradient
-  hooks, where a read may happen on one rank only (``rank_zero_only``), make it before the hook runs (see
-  :meth:`DdpGradients.gather_now`) when the module or a callback overrides one of them.
+  :class:`GradientReadError` naming the remedies: no value it could return is DDP's (the slices hold the average
+  over the ranks; this rank's own sum is gone unless it was kept, which is the memory stages 2/3 save, so paying
+  only when read is impossible). On one rank the average is the own sum: the slices answer.
+- otherwise the averaged gradient, in the masters' dtype (fp32 under mixed precision, where DDP's parameters and
+  gradients are fp32 too; the parameters' own dtype where the module itself is bf16/fp16, as DDP's gradient is):
+  the first read after the gradients changed reduces whatever is still pending (stage 1) and gathers every
+  FlatParam's slices into one copy per FlatParam, which later reads return views of. That first read is a
+  collective (every rank reads, as every rank of DDP synchronizes); Lightning's gradient hooks, where a read may
+  happen on one rank only (``rank_zero_only``), make it before the hook runs (see :meth:`DdpGradients.gather_now`)
+  when the module or a callback overrides one of them.
 - None where no rank produced a gradient since it was last cleared, as under DDP. ``nn.Module.zero_grad()``
   clears it too (Lightning calls it before a validation outside an accumulation window), as it clears DDP's.
 
@@ -29,8 +32,12 @@ The copies are dropped when the gradients change (a reduction lands, fp16 unscal
 and when the optimizer step starts (the optimizer's own memory peaks there). A change a user makes to a returned
 gradient in place (``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)``, ``p.grad.mul_(...)``) is moved into
 this rank's slices before the engine reads them next (the step, clipping, norms): every rank makes the same change,
-as DDP's replicas do, so each rank's own range carries it. A gradient replaced by assignment (``p.grad = t``) is not
-taken into the step (the engine's slices stay what backward produced).
+as DDP's replicas do, so each rank's own range carries it. A gradient replaced by assignment (``p.grad = t``, in a
+hook or in manual optimization) is what the step uses, as under DDP: ``t`` is the rank's whole gradient, so this
+rank's range of it replaces the parameter's range of the slices (and nothing of the parameter still waits to be
+reduced); inside an accumulation window with the gradients held, ``t`` becomes this rank's own sum. ``p.grad =
+None`` clears the parameter's gradient: the step skips it (see [Note: unused parameters] in engine/unused.py). Every
+rank assigns, as every DDP replica does; no exchange is made.
 
 Where reads are seen: a stage-3 parameter has its sharded class outside forward (core/flat/access.py); stages 1/2
 give their parameters a class that sees ``.grad`` reads from the end of each backward to the next forward
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from zero_strategy.core.flat.exact_writes import replays_writes
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import unwatch, watch
 from zero_strategy.core.flat.whole import gather_whole
@@ -60,7 +68,7 @@ class GradientReadError(RuntimeError):
 
 @dataclass(slots=True)
 class _Copy:
-    """One FlatParam's averaged gradient, whole, in fp32."""
+    """One FlatParam's averaged gradient, whole, in the masters' dtype."""
 
     whole: Tensor
     slices_version: int  # the FlatParam's gradient version it was gathered at
@@ -70,17 +78,26 @@ class _Copy:
 class DdpGradients:
     """The engine's answer to reads of ``p.grad`` (see [Note: p.grad as under DDP])."""
 
-    def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None], reduces_every_microstep: bool) -> None:
+    def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None], reduces_every_microstep: bool,
+                 single_rank: bool = False) -> None:
         """``reduce_all``: bring every optimizer's pending gradients onto its slices without ending any step's
-        accumulation (collective). ``reduces_every_microstep``: stages 2/3."""
+        accumulation (collective). ``reduces_every_microstep``: stages 2/3. ``single_rank``: the run has one rank,
+        whose slices reduced inside a window hold its own sum (DDP's value there)."""
         self.flats = flats
         self.reduce_all = reduce_all
         self.reduces_every_microstep = reduces_every_microstep
+        self.single_rank = single_rank
         self.in_window = False  # a framework's accumulation window is open (DDP would not synchronize)
         self.last_backward_held = False  # the last backward kept this rank's own gradient (DDP: no_sync)
         self.last_backward_reduced_early = False  # ...ran in a window, but stages 2/3 reduced it (no hold)
         self._copies: dict[int, _Copy] = {}
-        self._watched = False
+        self._watched = False  # reads are answered: from the end of a backward to the next forward
+        # the parameters whose in-place changes are replayed on the masters are watched outside forward from the
+        # start (see core/flat/exact_writes.py)
+        self._replaying = [flat for flat in flats if flat.keeps_full and replays_writes(flat)]
+        self._replays_watched = bool(self._replaying)
+        if self._replays_watched:
+            watch(self._replaying, only_replaying=True)
         reader = weakref.WeakMethod(self.read)
         edits = weakref.WeakMethod(self.take_edits_of)
         for flat in flats:
@@ -93,7 +110,8 @@ class DdpGradients:
         forward."""
         # stage 1 keeps every backward's gradient on the module anyway: inside a window that is DDP's own sum
         self.last_backward_held = held or (self.in_window and not self.reduces_every_microstep)
-        self.last_backward_reduced_early = self.in_window and not self.last_backward_held
+        # one rank: the average over it is its own sum, so reads inside a window are answered from the slices
+        self.last_backward_reduced_early = self.in_window and not self.last_backward_held and not self.single_rank
         self.take_edits()  # stage 1 reduced nothing in this backward: edits made before it still count
         self._copies.clear()  # on every rank alike: the next read gathers what this backward added
         if not self._watched:
@@ -102,13 +120,21 @@ class DdpGradients:
 
     def before_forward(self) -> None:
         """Forward computes with the parameters' own class (nothing in forward pays for reads)."""
-        if self._watched:
+        if self._watched or self._replays_watched:
             unwatch(self.flats)
             self._watched = False
+
+    def after_forward(self, backward_follows: bool) -> None:
+        """A forward ended. Where no backward follows (validation, prediction), the parameters whose in-place
+        changes are replayed are watched again; after a training forward the backward's end watches them (a change
+        between the two is one autograd refuses under DDP, and is taken in at the step)."""
+        if self._replays_watched and not backward_follows:
+            watch(self._replaying, only_replaying=True)
 
     def close(self) -> None:
         """The engine lets the module go: parameters take their own class back, nothing is kept."""
         self.before_forward()
+        self._replays_watched = False
         self._copies.clear()
         for flat in self.flats:
             flat.grad_reader = None
@@ -129,6 +155,8 @@ class DdpGradients:
         grads = flat.grads
         if not flat.trainable or not flat.optimizers:
             return torch_value  # no optimizer steps it: nothing moved its gradient
+        if flat.keeps_full and not self._watched:  # watched for its in-place changes only (before a backward)
+            return torch_value
         if self.last_backward_reduced_early:
             raise GradientReadError(
                 f"ZeRO: {flat.names[index]}.grad was read inside a gradient accumulation window, where DDP's holds "
@@ -148,6 +176,34 @@ class DdpGradients:
         # never decided by what this rank alone holds: a peer may have produced the gradient (an unused parameter
         # here), and whether to gather must be the same answer on every rank
         return self._averaged(flat, index)
+
+    def write(self, flat: FlatParam, index: int, value: Tensor | None) -> bool:
+        """``p.grad = value`` for parameter ``index`` of ``flat`` (see [Note: p.grad as under DDP]); False where no
+        optimizer steps it (torch's attribute takes it). Local: every rank assigns, as every DDP replica does."""
+        if not flat.trainable or not flat.optimizers or (flat.keeps_full and not self._watched):
+            return False
+        name, span = flat.names[index], flat.layout.spans[index]
+        if value is not None and (not isinstance(value, Tensor) or tuple(value.shape) != tuple(span.shape)):
+            what = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+            raise RuntimeError(f"ZeRO: {name}.grad was assigned {what}; assign a tensor of the parameter's shape "
+                               f"{tuple(span.shape)}, or None.")
+        if self.last_backward_reduced_early:
+            raise GradientReadError(
+                f"ZeRO: {name}.grad was assigned inside a gradient accumulation window, where DDP's holds this rank's "
+                "own sum; stages 2/3 reduced it already. Keep the window's gradients on the module (override "
+                "on_after_backward under the Trainer; Fabric's no_backward_sync), assign at the window's end "
+                "(on_before_optimizer_step), or use zero1."
+            )
+        self.take_edits_of(flat)  # edits made to a returned gradient before the assignment go in first
+        held = self.last_backward_held
+        flat.grads.assign(index, value, held)
+        copy = self._copies.get(id(flat))
+        if copy is not None:  # later reads see the assignment without gathering again
+            part = copy.whole[span.offset : span.end]
+            with torch.no_grad():
+                part.zero_() if value is None or held else part.copy_(value.detach().reshape(-1))
+            copy.slices_version, copy.edits_seen = flat.grads.version, copy.whole._version
+        return True
 
     def forget(self, flat: FlatParam, index: int) -> None:
         """``nn.Module.zero_grad()`` cleared parameter ``index``'s gradient (as DDP's, on every rank): its elements
@@ -189,7 +245,8 @@ class DdpGradients:
         for flat in self.flats:
             if not (flat.trainable and flat.optimizers):
                 continue
-            own = torch.zeros(flat.shard.numel(), dtype=torch.float32, device=flat.full.device)
+            # the masters' dtype: fp32 under mixed precision (DDP's parameters are fp32 there), else the parameters'
+            own = torch.zeros(flat.shard.numel(), dtype=flat.shard.dtype, device=flat.full.device)
             for piece, offset in flat.pieces:
                 if piece.grad is not None:
                     own[offset : offset + piece.numel()].copy_(piece.grad.reshape(-1))

@@ -42,6 +42,7 @@ from zero_strategy.core.engine.state_dict_hooks import StateDictGathers
 from zero_strategy.core.engine.state_dict_loads import StateDictLoads
 from zero_strategy.core.engine.window import StepWindow, StepWindows
 from zero_strategy.core.flat.flat_param import FlatParam
+from zero_strategy.core.flat.grad_reads import replaying_writes
 from zero_strategy.core.init.materialize import InitialValues
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
 from zero_strategy.core.plan.topology import RankLayout, resolve_rank_layout
@@ -131,10 +132,11 @@ class ZeroEngine:
         order = ReductionOrder(self.units, self.comms.everyone)
         # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
         self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending,
-                                           self.stage.reduces_every_microstep)
+                                           self.stage.reduces_every_microstep, self.comms.everyone.size == 1)
         self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
-                                  self._before_root_forward, order, self.gradient_reads.after_backward)
+                                  self._before_root_forward, order, self.gradient_reads.after_backward,
+                                  self.gradient_reads.after_forward)
         self.hooks.install()
         # stage 3: state_dict() gathers (see [Note: parameters outside forward] in core/flat/access.py)
         self.state_dict_gathers = StateDictGathers(module, self.flat_params) if self.stage.reshards_parameters else None
@@ -305,8 +307,9 @@ class ZeroEngine:
         """Make every parameter of the module whole for the duration of the block (e.g. ``state_dict()``)."""
         for flat in self.flat_params:  # a change made inside is this rank's until the release takes it in
             flat.unshard_private()
-        try:
-            yield
+        try:  # bf16/fp16 stage 3: a change made to a whole parameter inside is replayed on the masters (exact)
+            with replaying_writes([flat for flat in self.flat_params if not flat.keeps_full]):
+                yield
         finally:
             for unit in self.units:
                 unit.release_gathered()

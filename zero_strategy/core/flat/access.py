@@ -63,11 +63,11 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.core.flat.errors import SHARDED_MARKER, ShardedParameterError
-from zero_strategy.core.flat.grad_reads import answer_grad_read, is_grad_getter
+from zero_strategy.core.flat.grad_reads import answer_grad_read, answer_grad_write, is_grad_getter, is_grad_setter
 from zero_strategy.core.flat.outside_forward import run_outside_forward
 from zero_strategy.core.plan.tensor_parallel import is_distributed
 
-__all__ = ["ShardedParameterError", "forget_owner", "mark_owner", "own_grad", "unwrap", "wrap"]
+__all__ = ["ShardedParameterError", "forget_owner", "mark_owner", "own_grad", "set_own_grad", "unwrap", "wrap"]
 
 # What reads no values of a parameter, and answers alike on every transport and as under DDP: properties (their
 # getter's name) and methods. Not here: ``__bool__`` (reads the value of a one-element parameter), ``data_ptr`` and
@@ -126,6 +126,10 @@ class _Sharded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_grad_setter(func):  # see [Note: p.grad as under DDP] in core/engine/ddp_gradients.py
+            owner = args[0].__dict__.get("_zero_owner")
+            answer_grad_write(args[0], owner() if owner is not None else None, args[1])
+            return None
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 value = func(*args, **(kwargs or {}))
@@ -176,6 +180,13 @@ def own_grad(param: Tensor) -> Tensor | None:
     as under DDP] in core/engine/ddp_gradients.py)."""
     with torch._C.DisableTorchFunctionSubclass():
         return param.grad
+
+
+def set_own_grad(param: Tensor, value: Tensor | None) -> None:
+    """Set torch's ``param.grad`` as ZeRO itself does: never taken for a user's assignment (see [Note: p.grad as
+    under DDP] in core/engine/ddp_gradients.py)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param.grad = value
 
 
 def mark_owner(param: Tensor, name: str, owner: object) -> None:

@@ -159,6 +159,14 @@ class FlatParam:
         index = next(i for i, candidate in enumerate(self.params) if candidate is param)
         return reader(self, index, torch_value)
 
+    def write_grad(self, param: Tensor, value: Tensor | None) -> bool:
+        """A user's ``param.grad = value``: whether the engine took it (False: torch's attribute is the answer)."""
+        reader = self.grad_reader() if self.grad_reader is not None else None
+        if reader is None:
+            return False
+        index = next(i for i, candidate in enumerate(self.params) if candidate is param)
+        return reader.__self__.write(self, index, value)
+
     def forget_grad(self, param: Tensor) -> None:
         """``nn.Module.zero_grad()`` cleared ``param``'s gradient: so does the engine."""
         reader = self.grad_reader() if self.grad_reader is not None else None
@@ -272,6 +280,9 @@ class FlatParam:
     def write_whole(self, whole: Tensor, label: str) -> None:
         """See master_writes.write_whole (a collective)."""
         master_writes.write_whole(self, whole, label, in_use=self.state is ParamState.UNSHARDED)
+        if self._private is not None:  # inside gathered_parameters() on one host: the module reads this copy
+            with torch.no_grad():
+                self._private.copy_(whole)
 
     def take_in_place_changes(self) -> list[str]:
         """Stages 1/2 with masters apart from the parameters: the parameters changed in place since the last step

@@ -1,5 +1,7 @@
-"""Where a user's read of ``p.grad`` is seen at stages 1/2: a class the parameters take from the end of a backward
-to the next forward, whose reads of ``.grad`` are answered by the engine (see [Note: p.grad as under DDP] in
+"""Where a user's read of ``p.grad`` (and a change made in place) is seen at stages 1/2: a class the parameters take
+from the end of a backward to the next forward (those whose changes are replayed on the masters, core/flat/
+exact_writes.py, also from the engine's start and after each forward), whose reads of ``.grad`` are answered by the
+engine (see [Note: p.grad as under DDP] in
 core/engine/ddp_gradients.py; stage 3's parameters have their sharded class outside forward, core/flat/access.py,
 which answers the same way).
 
@@ -21,7 +23,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
+from zero_strategy.core.flat.exact_writes import replay_write, replays_writes
+from zero_strategy.core.flat.values_copy import written_tensors
 from zero_strategy.core.plan.tensor_parallel import is_distributed
 
 WATCHED_KEY = "_zero_grad_reads"  # a watched parameter's FlatParam (a weak reference)
@@ -36,6 +41,23 @@ def is_grad_getter(func: Any) -> bool:
     """Whether ``__torch_function__`` was called for a read of ``.grad``."""
     owner = getattr(func, "__self__", None)
     return getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") == "grad"
+
+
+def is_grad_setter(func: Any) -> bool:
+    """Whether ``__torch_function__`` was called for an assignment ``p.grad = value``."""
+    owner = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__set__" and getattr(owner, "__name__", "") == "grad"
+
+
+def answer_grad_write(param: Tensor, owner: Any, value: Tensor | None) -> None:
+    """A user's ``param.grad = value``, called from a ``__torch_function__``: the engine takes it into its
+    gradient slices through ``owner`` (its FlatParam), or, where the engine does not step the parameter (or is
+    gone), torch's attribute is set. ``nn.Module.zero_grad`` assigns None after its read cleared the gradient
+    (see :func:`answer_grad_read`): torch's attribute only."""
+    zero_grad = sys._getframe(2).f_code is nn.Module.zero_grad.__code__
+    if owner is None or zero_grad or not owner.write_grad(param, value):
+        with torch._C.DisableTorchFunctionSubclass():
+            param.grad = value
 
 
 def answer_grad_read(param: Tensor, owner: Any, torch_value: Tensor | None) -> Tensor | None:
@@ -56,6 +78,14 @@ class _GradWatched:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_grad_setter(func):
+            owner = args[0].__dict__.get(WATCHED_KEY)
+            answer_grad_write(args[0], owner() if owner is not None else None, args[1])
+            return None
+        written = [t for t in written_tensors(func, args, kwargs or {}) if isinstance(t, _GradWatched)]
+        owners = _replaying_owners((args, kwargs)) if written else []
+        if any(id(p) in {id(q) for _, params in owners for q in params} for p in written):
+            return replay_write(func, tuple(args), dict(kwargs or {}), owners, written)  # see exact_writes.py
         with torch._C.DisableTorchFunctionSubclass():
             value = func(*args, **(kwargs or {}))
         if is_grad_getter(func):
@@ -71,6 +101,20 @@ class _GradWatched:
     def __reduce_ex__(self, protocol: Any) -> Any:
         with _as_own(self):
             return self.__reduce_ex__(protocol)
+
+
+def _replaying_owners(tree: Any) -> list[tuple[Any, list[Any]]]:
+    """The FlatParams whose masters a change must be replayed on (exact_writes.replays_writes), each with its
+    watched parameters found in ``tree``, in the order they first appear."""
+    grouped: dict[int, tuple[Any, list[Any]]] = {}
+    for value in tree_flatten(tree)[0]:
+        entry = value.__dict__.get(WATCHED_KEY) if isinstance(value, _GradWatched) else None
+        owner = entry() if entry is not None else None
+        if owner is not None and replays_writes(owner):
+            params = grouped.setdefault(id(owner), (owner, []))[1]
+            if not any(p is value for p in params):
+                params.append(value)
+    return list(grouped.values())
 
 
 @contextmanager
@@ -99,11 +143,13 @@ def is_checked(param: object) -> bool:
     return isinstance(param, _GradWatched)
 
 
-def watch(flats: list[Any]) -> None:
+def watch(flats: list[Any], only_replaying: bool = False) -> None:
     """Reads of ``.grad`` of the parameters of ``flats`` that keep their full values (stages 1/2) are answered by
-    the engine until :func:`unwatch` (idempotent)."""
+    the engine, and changes made in place to them replayed on the masters where that is needed to be exact, until
+    :func:`unwatch` (idempotent). ``only_replaying``: only the FlatParams whose changes are replayed (stage 3's
+    too: inside ``gathered_parameters()``, where its parameters are whole and their own class)."""
     for flat in flats:
-        if not flat.keeps_full:
+        if not (replays_writes(flat) if only_replaying else flat.keeps_full):
             continue
         for param in flat.params:
             # a tensor-parallel parameter keeps its class: a DTensor's dispatch is its class's (see flat_param.py)
@@ -111,6 +157,17 @@ def watch(flats: list[Any]) -> None:
                 continue
             param.__dict__[WATCHED_KEY] = weakref.ref(flat)
             param.__class__ = _watched_class(type(param))
+
+
+@contextmanager
+def replaying_writes(flats: list[Any]) -> Iterator[None]:
+    """For the block, changes made in place to the whole parameters of ``flats`` that need it are replayed on their
+    masters (see core/flat/exact_writes.py); stage 3's ``gathered_parameters()``."""
+    watch(flats, only_replaying=True)
+    try:
+        yield
+    finally:
+        unwatch(flats)
 
 
 def unwatch(flats: list[Any]) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from zero_strategy.core.comm.comm import Comm
 from zero_strategy.core.comm.streams import CollectiveStreams
 from zero_strategy.core.comm.work import Work
-from zero_strategy.core.flat.access import own_grad
+from zero_strategy.core.flat.access import own_grad, set_own_grad
 from zero_strategy.core.flat.master import MasterPieces
 from zero_strategy.core.flat.storage import FlatStorage
 from zero_strategy.core.plan.flat_specs import FlatSpec
@@ -116,7 +116,7 @@ class GradientSlices:
                                      device=self.storage.full.tensor.device)
         span = self.spec.layout.spans[index]
         self.stash[span.offset : span.end].add_(grad.reshape(-1))
-        param.grad = None
+        set_own_grad(param, None)
         self.seen[index] = True
 
     def _flatten(self, target: Tensor | None) -> Tensor:
@@ -139,7 +139,7 @@ class GradientSlices:
             if grad is not None:
                 grad = local_gradient(grad, param)  # see [Note: ZeRO over the data-parallel dimension of a 2-D mesh]
                 part.add_(grad.reshape(-1)) if add else part.copy_(grad.reshape(-1))
-                param.grad = None
+                set_own_grad(param, None)
                 self.seen[index] = True
             elif not add:
                 part.zero_()
@@ -255,7 +255,7 @@ class GradientSlices:
         self.slice_state = SliceState.EMPTY
         self.scaling = Scaling.SCALED
         for param in self.params:
-            param.grad = None
+            set_own_grad(param, None)
         for piece, _ in self.pieces:
             piece.grad = None
 
@@ -278,6 +278,49 @@ class GradientSlices:
             self.stash[span.offset : span.end].zero_()
         self.seen[index] = False
         self.changed()
+
+    def assign(self, index: int, value: Tensor | None, held: bool) -> None:
+        """``p.grad = value`` for parameter ``index`` (see [Note: p.grad as under DDP] in engine/ddp_gradients.py).
+        ``held`` (DDP's ``p.grad`` is this rank's own sum): ``value`` becomes that sum, to be reduced with what
+        later backwards add, and the parameter's range of the slices is cleared. Otherwise ``value`` is the averaged
+        gradient: this rank's range of it goes into the slices, replacing what was reduced there, and nothing of
+        the parameter waits to be reduced. None: the parameter has no gradient (the step skips it). Local."""
+        span = self.spec.layout.spans[index]
+        param = self.params[index]
+        self.finish_reduce()
+        self.settle_host_copies()
+        set_own_grad(param, None)
+        if self.stash is not None:
+            self.stash[span.offset : span.end].zero_()
+        flat_value = None if value is None else value.detach().reshape(-1)
+        if held and flat_value is not None:  # the rank's own sum: where backward puts it
+            if self.stash is not None:
+                self.stash[span.offset : span.end].copy_(flat_value)
+            else:
+                set_own_grad(param, flat_value.view(span.shape).to(dtype=param.dtype, device=param.device))
+        into_slices = None if held else flat_value
+        start = self.storage.own_range[0]
+        for piece, offset in self.pieces:
+            lo, hi = max(span.offset, start + offset), min(span.end, start + offset + piece.numel())
+            if lo >= hi or (piece.grad is None and into_slices is None):
+                continue
+            grad = piece.grad if piece.grad is not None else self._zero_grad_of(piece, offset)
+            part = grad[lo - start - offset : hi - start - offset]
+            part.zero_() if into_slices is None else part.copy_(into_slices[lo - span.offset : hi - span.offset])
+        if into_slices is not None and self.slice_state is SliceState.EMPTY:
+            self.slice_state = SliceState.LOCAL if self.has_replicas else SliceState.FINAL
+        if self.storage.grad_file is not None:
+            self.storage.after_host_read()
+        self.seen[index] = value is not None
+        self.changed()
+
+    def _zero_grad_of(self, piece: nn.Parameter, offset: int) -> Tensor:
+        """Give a master piece a gradient of zeros (in the gradient file with nvme offload, see [Note: gradient
+        slices in files]) and return it."""
+        grad_file = self.storage.grad_file
+        grad = grad_file[offset : offset + piece.numel()].zero_() if grad_file is not None else torch.zeros_like(piece)
+        piece.grad = grad
+        return grad
 
     def pending_sum(self, index: int) -> Tensor | None:
         """This rank's own gradient of parameter ``index`` not reduced yet: on the module, or in the fp32 stash

@@ -1,5 +1,5 @@
 """Changes made to module parameters in place, outside the optimizer: where ZeRO takes them into the masters, and
-where it can only say what became of them.
+where it refuses them.
 
 [Note: in-place changes outside the optimizer]
 Under DDP a parameter is one tensor per rank: ``with torch.no_grad(): p.mul_(0.5)`` on every rank changes every
@@ -15,21 +15,26 @@ a change, made by every rank as under DDP:
   view of the parameter (``p.detach().mul_()``, ``p[0].zero_()``, ``p.view(...).copy_()``, and so
   ``nn.init.orthogonal_``) is refused, naming the parameter: outside forward a view is a copy (values_copy.py).
   ``load_state_dict`` writes the masters itself (see [Note: loading a full state dict into the shards]).
-- stages 1/2 whose fp32 masters are kept apart from the parameters (bf16/fp16 parameters, offload): before the next
-  optimizer step (or a save) each rank takes the changed parameters' ranges into its master slice
-  (engine/in_place_changes.py). Exact in fp32 (offload); in bf16/fp16 the masters receive the change as the
-  parameters hold it, rounded to their dtype (DDP's fp32 parameter would keep the unrounded result), and a warning
-  says so. A change made inside the step
-  window itself (an optimizer hook) is overwritten by the step, and a warning says so.
+- stages 1/2 whose fp32 masters are kept apart from the parameters in bf16/fp16, a change made on the parameter
+  itself while it is watched (outside forward: from the engine's start, after a forward no backward follows, after
+  each backward; grad_reads.py): replayed on a whole copy of the masters (exact_writes.py), exact, the same
+  collective as at stage 3. The same inside ``gathered_parameters()`` at stage 3 in bf16/fp16.
+- stages 1/2 with offload in fp32: before the next optimizer step (or a save) each rank takes the changed
+  parameters' ranges into its master slice (engine/in_place_changes.py): exact.
 - stages 1/2 in fp32 without offload: each rank's slice of the parameters *is* its master shard: DDP's behaviour,
   nothing to do.
-- stage 3 *inside* ``gathered_parameters()`` (the parameters are their own class there, nothing sees the change
-  as it is made): each rank changes its own copy (through the network the gathered buffer; on one host a private
-  copy of the host-wide buffer, made at entry), and the unit's release takes the changed parameters' ranges into
-  the masters (master_writes.py; on one host between two barriers): exact in fp32, rounded in bf16/fp16 (with a
-  warning). Inside forward through the network the same happens at the unit's release; on one host's shared memory
-  forward reads the host-wide buffer in place, where a change every rank makes lands once per rank: the release
-  raises :class:`ShardedParameterError` naming the parameter (after the fact: the buffer is changed by then).
+- stage 3 *inside* ``gathered_parameters()`` in fp32 (the parameters are their own class there, nothing sees the
+  change as it is made): each rank changes its own copy (through the network the gathered buffer; on one host a
+  private copy of the host-wide buffer, made at entry), and the unit's release takes the changed parameters' ranges
+  into the masters (master_writes.py; on one host between two barriers): exact. Inside forward through the network
+  the same happens at the unit's release; on one host's shared memory forward reads the host-wide buffer in place,
+  where a change every rank makes lands once per rank: the release raises :class:`ShardedParameterError` naming
+  the parameter (after the fact: the buffer is changed by then).
+- refused with :class:`InPlaceChangeError`, naming the parameters, before any master takes the change (the module's
+  copy holds it already; the run stops): in bf16/fp16 a change found by the version counters that the watch did
+  not see being made (inside forward, between forward and backward, through a view or ``p.detach()``), which the
+  masters could only take rounded; and a change made during the optimizer step that the step overwrote (offload,
+  or one unseen in bf16/fp16). No change is taken in rounded, and none lost with only a warning.
 
 Each parameter that ``.data`` re-pointed at the flat buffer has its own version counter (see [Note: views into
 one flat buffer] in flat_param.py), which only in-place operations through that parameter move: the engine writes
@@ -40,7 +45,6 @@ own; at stage 3 outside forward ``.data`` is refused).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -51,24 +55,32 @@ HOST_WIDE = (
     "torch.no_grad(): on every rank), or inside gathered_parameters(), where it is applied to the masters."
 )
 OVERWRITTEN = (
-    "it was made during the optimizer step, after the masters (kept apart from the parameters here: bf16/fp16 "
-    "parameters or offload) took the changes made before it, so the step overwrote it. Change parameters before "
-    "or after the step."
+    "refused: it was made during the optimizer step, after the masters (kept apart from the parameters here: "
+    "offload, or bf16/fp16 parameters changed where ZeRO does not see it) took the changes made before it, so the "
+    "step overwrote it and the published weights do not hold it. Change parameters before or after the step."
 )
 ROUNDED = (
-    "the fp32 master weights took the change as the parameters hold it, rounded to their dtype (bf16/fp16); DDP's "
-    "fp32 parameter would keep the unrounded result. For an exact change, make it at stage 3 outside forward and "
-    "gathered_parameters() (where it is applied to the masters), or in fp32."
+    "refused: it was made where ZeRO does not see a change being made (inside forward, between forward and "
+    "backward, or through a view, .detach() or .data of the parameter), so the fp32 master weights could only take "
+    "it as the parameters hold it, rounded to their dtype (bf16/fp16), where DDP's fp32 parameter keeps the "
+    "unrounded result. The masters are unchanged. Make the change on the parameter itself outside forward, on every "
+    "rank (`with torch.no_grad(): p.mul_(0.5)`, `p.copy_(...)`, `p[i] = v`, `torch.nn.init.*_(p)`, also inside "
+    "gathered_parameters()): ZeRO then applies it to the fp32 masters exactly."
 )
 
 
-def warn_rounded(names: list[str]) -> None:
-    warnings.warn(f"ZeRO: {', '.join(names)} changed in place outside the optimizer; {ROUNDED}",
-                  InPlaceChangeWarning, stacklevel=5)
+def refuse_rounded(names: list[str]) -> None:
+    raise InPlaceChangeError(f"ZeRO: {', '.join(names)} changed in place outside the optimizer; {ROUNDED}")
 
 
 class InPlaceChangeWarning(UserWarning):
-    """A module parameter was changed in place outside the optimizer where ZeRO loses or multiplies the change."""
+    """Kept so that warning filters naming it still import: every in-place change is now exact or refused with
+    :class:`InPlaceChangeError`, and nothing emits it."""
+
+
+class InPlaceChangeError(RuntimeError):
+    """A module parameter was changed in place where ZeRO could only take the change in rounded to bf16/fp16 (see
+    [Note: in-place changes outside the optimizer])."""
 
 
 class InPlaceWatch:
@@ -83,6 +95,11 @@ class InPlaceWatch:
         """Take the current values as the baseline (after a write that is not a user's change)."""
         self._versions = [param._version for _, param in self._watched]
 
+    def changed(self) -> list[int]:
+        """The positions of the parameters changed in place since the last baseline (which stays)."""
+        return [index for index, ((_, param), version) in enumerate(zip(self._watched, self._versions, strict=True))
+                if param._version != version]
+
     def take_changed(self) -> list[int]:
         """The positions of the parameters changed in place since the last baseline, which becomes now."""
         changed = [index for index, ((_, param), version) in enumerate(zip(self._watched, self._versions,
@@ -92,7 +109,7 @@ class InPlaceWatch:
         return changed
 
     def check(self, consequence: str) -> None:
-        """Warn, naming the parameters changed in place since the last check, with what becomes of the change."""
+        """Refuse, naming the parameters changed in place since the last check, with what becomes of the change."""
         changed = [
             name for (name, param), version in zip(self._watched, self._versions, strict=True)
             if param._version != version
@@ -100,8 +117,4 @@ class InPlaceWatch:
         if not changed:
             return
         self.forget()
-        warnings.warn(
-            f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence}",
-            InPlaceChangeWarning,
-            stacklevel=3,
-        )
+        raise InPlaceChangeError(f"ZeRO: {', '.join(changed)} changed in place outside the optimizer; {consequence}")

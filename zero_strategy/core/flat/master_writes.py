@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from zero_strategy.core.flat.errors import ShardedParameterError
-from zero_strategy.core.flat.in_place_watch import HOST_WIDE, warn_rounded
+from zero_strategy.core.flat.in_place_watch import HOST_WIDE, refuse_rounded
 from zero_strategy.core.flat.param_values import point_at
 
 FlatParam = Any  # a FlatParam (flat_param.py imports this module)
@@ -67,7 +67,8 @@ def take_changes_at_release(flat: FlatParam, private: Tensor | None) -> None:
     """A stage-3 unit is released: changes made in place while it was gathered reach the masters. Through the
     network (``private`` None, the gathered buffer is this rank's) and inside ``gathered_parameters()`` on one host
     (``private``: this rank's copy; a collective then, the host-wide slice being rewritten between two barriers):
-    exact in fp32, rounded to the parameters' dtype in bf16/fp16 (with a warning). Inside forward on one host the
+    exact in fp32; in bf16/fp16 the changes the watch saw were applied to the masters already (exact_writes.py), and
+    one found here would reach them rounded: refused (InPlaceChangeError). Inside forward on one host the
     parameters read the host-wide buffer in place, where a change every rank makes landed once per rank: an error."""
     storage = flat.storage
     if storage.full.readable_in_place and private is None:
@@ -76,16 +77,19 @@ def take_changes_at_release(flat: FlatParam, private: Tensor | None) -> None:
             listed = ", ".join(flat.names[index] for index in changed)
             raise ShardedParameterError(f"ZeRO: {listed} changed in place outside the optimizer; {HOST_WIDE}")
         return
+    if storage.full.tensor.dtype != storage.shard.dtype:  # refused before anything is written (every rank alike)
+        rounded = flat.in_place.changed()
+        if rounded:
+            flat.in_place.forget()
+            refuse_rounded([flat.names[index] for index in rounded])
     if private is None:
-        names = take_changes(flat, storage.full.tensor)
+        take_changes(flat, storage.full.tensor)
     else:
         flat.comm.barrier(f"release of {flat.label} after gathered_parameters(): before the write").wait()
-        names = take_changes(flat, private)
+        take_changes(flat, private)
         storage.write_own_slice()
         _point_params_at(flat, storage.full.tensor)
         flat.comm.barrier(f"release of {flat.label} after gathered_parameters(): after the write").wait()
-    if names and storage.full.tensor.dtype != storage.shard.dtype:
-        warn_rounded(names)
 
 
 def _point_params_at(flat: FlatParam, buffer: Tensor) -> None:

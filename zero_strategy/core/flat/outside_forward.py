@@ -92,7 +92,7 @@ def _write(
         owner.land_prefetch()  # a gather in flight lands before the slices change
         changed = [p for p in params if id(p) in written_ids]
         what = "change" if changed else "read"
-        whole = _gather_masters(owner, f"{what} of {_names(changed or params)}{OUTSIDE_FORWARD}")
+        whole = gather_masters(owner, f"{what} of {_names(changed or params)}{OUTSIDE_FORWARD}")
         wholes[id(owner)] = whole
         for param in params:
             span = owner.layout.spans[_index_in(owner, param)]
@@ -109,7 +109,7 @@ def _write(
     return tree_map(lambda value: originals.get(id(value), value), result)
 
 
-def _gather_masters(owner: FlatParam, label: str) -> Tensor:
+def gather_masters(owner: FlatParam, label: str) -> Tensor:
     """Every rank's master slice of ``owner``, through an exchange that pairs only with the same one on the peers:
     a rank that changes a parameter alone waits until the divergence watch (network path) or the process group's
     timeout (one host's shared memory) stops it, and never mixes its masters with another exchange's bytes."""
@@ -122,8 +122,9 @@ def _gather_masters(owner: FlatParam, label: str) -> Tensor:
         raise
     except RuntimeError as error:  # a timeout: some rank never made the change
         raise ShardedParameterError(
-            f"ZeRO stage 3: the {label} waited for ranks that never made it ({error}). A change of a stage-3 "
-            "parameter is a collective: make it on every rank, as under DDP every replica must make it."
+            f"ZeRO: the {label} waited for ranks that never made it ({error}). A change of a parameter whose "
+            "masters are sharded (stage 3, or bf16/fp16 parameters) is a collective: make it on every rank, as "
+            "under DDP every replica must make it."
         ) from error
 
 

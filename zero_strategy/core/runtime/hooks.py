@@ -65,15 +65,18 @@ class RuntimeHooks:
         on_root_forward: Callable[[], None],
         reduction_order: ReductionOrder,
         on_backward_end: Callable[[bool], None] = lambda held: None,
+        on_root_forward_end: Callable[[bool], None] = lambda backward_follows: None,
     ) -> None:
         """``on_backward_end``: called at the end of every backward that produced a gradient here, with whether it
-        ran under a hold (see [Note: gradients held on the module])."""
+        ran under a hold (see [Note: gradients held on the module]). ``on_root_forward_end``: after each outermost
+        forward of the entry module, with whether a backward may follow (its output requires a gradient)."""
         self.units = units
         self.stage = stage
         self.entry_module = entry_module
         self.prefetch = prefetch
         self.on_root_forward = on_root_forward
         self.on_backward_end = on_backward_end
+        self.on_root_forward_end = on_root_forward_end
         self.reductions = BackwardReductions(units, stage, reduction_order, self._queue_final_callback)
         self.forward_order: list[ZeroUnit] = []  # recorded during the first forward, used to prefetch
         self._order_recorded = False
@@ -144,11 +147,13 @@ class RuntimeHooks:
         if in_backward():
             return
         self._entry_depth -= 1
+        backward_follows = torch.is_grad_enabled() and any(
+            isinstance(tensor, Tensor) and tensor.requires_grad for tensor in tree_flatten(output)[0])
+        if self._entry_depth == 0:
+            self.on_root_forward_end(backward_follows)
         if not self.stage.reshards_parameters:
             return
         self._order_recorded = True
-        backward_follows = torch.is_grad_enabled() and any(
-            isinstance(tensor, Tensor) and tensor.requires_grad for tensor in tree_flatten(output)[0])
         if self.prefetch and self._backward_order_recorded and backward_follows:
             # the loss and the root's own backward run while the first unit backward needs is gathered (not after a
             # step that ran its own backward inside: manual optimization returns no loss to backpropagate)
