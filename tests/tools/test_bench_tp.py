@@ -34,3 +34,16 @@ def test_a_failed_method_prints_n_a_and_its_error():
     rows = table_rows(report)
     assert rows["zero3"][1:] == ["n/a"] * 8
     assert "zero3: n/a, TypeError: unexpected keyword 'tensor_parallel_size'" in report
+
+
+@pytest.mark.timeout(400)  # ~80 s measured on a quiet machine (two fresh interpreters forking 4 ranks each)
+def test_zero3_on_the_network_path_peaks_no_higher_than_model_parallel_strategy(capsys):
+    """The README's bound (docs/tensor-parallel.md, "Memory"): ZeRO-3 x TP's peak resident memory per rank, on the
+    path GPUs and several nodes take (each rank gathers one unit at a time), does not exceed ModelParallelStrategy's
+    on the same 34 M Llama; its parameters + optimizer state are no larger."""
+    report = main(["--size", "34m", "--methods", "mps,zero3_p2p", "--steps", "2"])
+    rows = table_rows(report)
+    peak_ratio = float(rows["zero3_p2p"][7].removesuffix("x"))
+    state_ratio = float(rows["zero3_p2p"][8].removesuffix("x"))
+    assert peak_ratio <= 1.0, report
+    assert state_ratio <= 1.0, report
