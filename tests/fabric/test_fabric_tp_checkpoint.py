@@ -1,0 +1,252 @@
+"""``fabric.save`` / ``fabric.load`` of a tensor-parallel module (issue 36): ``ZeroFabricStrategy(stage=s,
+tensor_parallel_size=2, parallelize_fn=fn)`` on 4 ranks (2 data-parallel x 2 tensor-parallel) trains
+tests/helpers/tp_toy.py's ToyNet SAVED_AT steps, saves ``{"model", "optimizer", "step"}`` (the Trainer's
+tensor-parallel layout: one sharded checkpoint per TP coordinate, ``tensor_parallel.json`` switched last), then a
+save over it fails on one rank, and the run trains MORE steps: the uninterrupted run. The checkpoint then resumes
+for MORE steps at DP 1 (2 ranks, TP 2), at the same layout (loaded back in place in the first launch), and in a run
+without tensor parallelism (2 ranks, DP 2): each equal within 1e-5 to the uninterrupted run and to the
+single-process reference. Stages 1 and 3 (stage 3 on "auto" and "point_to_point"). Also: the failed save kept the
+old checkpoint; ``zero-to-fp32`` writes the whole model; ``fabric.load(path)`` without a state returns the plain
+entries; what stays unsupported (``load_raw``, the consolidated file) is refused by name.
+
+Each step's global batch is ``global_batch(step, GLOBAL_ROWS)`` dealt by hand to the data-parallel ranks (a TP
+group's ranks take the same rows), so every layout trains on the same rows as the reference. The fits of one world
+size share one launch of ranks that run_ranks forks and Fabric takes for ranks torchrun started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.compare import assert_state_close
+from helpers.launched import as_launched_rank
+from helpers.tp_toy import apply_plan, full_state, global_batch, loss_of, make_model, reference_states
+from lightning.fabric import Fabric
+from safetensors.torch import load_file
+from torch import nn
+
+import zero_strategy.checkpoint.sharded.save as save_module
+from zero_strategy import ZeroFabricStrategy
+from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.export.consolidate import consolidate
+from zero_strategy.checkpoint.sharded.tensor_parallel import TensorParallelManifest
+from zero_strategy.fabric.tensor_parallel import TensorParallelCheckpointError
+from zero_strategy.testing import run_ranks
+
+TP, GLOBAL_ROWS, SAVED_AT, MORE, LR = 2, 4, 2, 2, 1e-2
+CONFIGS: dict[str, dict[str, Any]] = {
+    "zero1": dict(stage=1),
+    "zero3": dict(stage=3, collectives="auto"),
+    "zero3_p2p": dict(stage=3, collectives="point_to_point"),
+}
+FAILING_RANK = 1  # DP rank 0 of TP coordinate 1: its shard write fails in the planted save
+
+
+def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+    apply_plan(model, mesh["tensor_parallel"])  # type: ignore[arg-type]
+    return model
+
+
+def _fabric(world: int, tensor_parallel_size: int, zero: dict[str, Any]) -> Fabric:
+    fn = parallelize if tensor_parallel_size > 1 else None
+    strategy = ZeroFabricStrategy(**zero, tensor_parallel_size=tensor_parallel_size, parallelize_fn=fn,
+                                  process_group_timeout_s=60.0)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision="32-true")
+    fabric.launch()
+    return fabric
+
+
+def _state(fabric: Fabric) -> dict[str, Any]:
+    model = fabric.setup_module(make_model())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    return {"model": model, "optimizer": optimizer, "step": 0}
+
+
+def _train(fabric: Fabric, state: dict[str, Any], count: int, tensor_parallel_size: int) -> None:
+    """``count`` steps from ``state["step"]``: each data-parallel rank its consecutive rows of the global batch."""
+    dp = fabric.world_size // tensor_parallel_size
+    data_rank, per = fabric.global_rank // tensor_parallel_size, GLOBAL_ROWS // dp
+    for step in range(state["step"], state["step"] + count):
+        tokens, targets = global_batch(step, GLOBAL_ROWS)
+        rows = slice(data_rank * per, (data_rank + 1) * per)
+        fabric.backward(loss_of(state["model"], (tokens[rows], targets[rows])))
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+    state["step"] += count
+
+
+def _failing_save(fabric: Fabric, state: dict[str, Any], target: Path) -> dict[str, Any]:
+    """A save over ``target`` whose shard write fails on FAILING_RANK: every rank must raise, ``target`` unchanged."""
+    outcome: dict[str, Any] = {"before": TensorParallelManifest.read(target).checkpoint_id}
+    original = save_module.write_safetensors
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full (planted)")
+
+    if fabric.global_rank == FAILING_RANK:
+        save_module.write_safetensors = broken  # type: ignore[assignment]
+    try:
+        fabric.save(target, state)
+        outcome["error"] = None
+    except CheckpointError as error:
+        outcome["error"] = str(error)
+    finally:
+        save_module.write_safetensors = original
+    outcome["after"] = TensorParallelManifest.read(target).checkpoint_id
+    outcome["versions"] = sorted(p.name for p in target.iterdir() if p.name.startswith("v-"))
+    outcome["siblings"] = sorted(p.name for p in target.parent.iterdir() if ".partial-" in p.name)
+    return outcome
+
+
+def _refused(fabric: Fabric, state: dict[str, Any], path: Path) -> list[str]:
+    """What stays unsupported with a tensor-parallel module: each call must raise TensorParallelCheckpointError."""
+    messages = []
+    for call in (lambda: fabric.load_raw(path, state["model"]),
+                 lambda: fabric.save(path.parent / "filtered.pt", state, filter={"model": lambda k, v: True})):
+        try:
+            call()
+            messages.append("not refused")
+        except TensorParallelCheckpointError as error:
+            messages.append(str(error))
+    return messages
+
+
+def save_and_continue(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """4 ranks, DP 2 x TP 2: each configuration trains, saves, fails a save, trains on (the uninterrupted run), then
+    loads its checkpoint back in place and trains the same steps again."""
+    as_launched_rank(rank, world)
+    results: dict[str, Any] = {}
+    for name, zero in CONFIGS.items():
+        fabric = _fabric(world, TP, zero)
+        state = _state(fabric)
+        _train(fabric, state, SAVED_AT, TP)
+        target = root / name / "checkpoint"
+        fabric.save(target, state)
+        result: dict[str, Any] = {"saved": full_state(state["model"])}
+        result["failed_save"] = _failing_save(fabric, state, target)
+        _train(fabric, state, MORE, TP)
+        result["final"] = full_state(state["model"])
+        state["step"] = -1
+        fabric.load(target, state)  # in place, over the trained weights and optimizer state
+        result["loaded_step"] = state["step"]
+        result["loaded"] = full_state(state["model"])
+        _train(fabric, state, MORE, TP)
+        result["same_layout"] = full_state(state["model"])
+        if name == "zero1":
+            result["refused"] = _refused(fabric, state, target)
+        results[name] = result
+        fabric.barrier()
+    return results
+
+
+def resume(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """2 ranks: each configuration's checkpoint resumed at DP 1 x TP 2; zero3's also without tensor parallelism
+    (DP 2, whole tensors); and a load without a state."""
+    as_launched_rank(rank, world)
+    results: dict[str, Any] = {}
+    for name, zero in CONFIGS.items():
+        fabric = _fabric(world, TP, zero)
+        state = _state(fabric)
+        fabric.load(root / name / "checkpoint", state)
+        results[f"{name}_step"] = state["step"]
+        _train(fabric, state, MORE, TP)
+        results[name] = full_state(state["model"])
+        fabric.barrier()
+    fabric = _fabric(world, 1, CONFIGS["zero3"])
+    state = _state(fabric)
+    results["plain_only"] = fabric.load(root / "zero1" / "checkpoint")
+    fabric.load(root / "zero3" / "checkpoint", state)
+    _train(fabric, state, MORE, 1)
+    results["no_tp"] = full_state(state["model"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("fabric_tp_checkpoints")
+    return root, run_ranks(save_and_continue, 4, root, timeout_s=240, pg_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def resumed(saved: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return run_ranks(resume, 2, saved[0], timeout_s=240, pg_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict[str, torch.Tensor]]:
+    return {"saved": reference_states(SAVED_AT, GLOBAL_ROWS, lr=LR),
+            "final": reference_states(SAVED_AT + MORE, GLOBAL_ROWS, lr=LR)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_uninterrupted_run_and_a_load_in_place_match_the_reference(
+    saved: tuple[Path, list[dict[str, Any]]], reference: dict[str, dict[str, torch.Tensor]], name: str
+) -> None:
+    for rank, results in enumerate(saved[1]):
+        got = results[name]
+        assert_state_close(got["saved"], reference["saved"], what=f"{name}, rank {rank}, at the save")
+        assert_state_close(got["final"], reference["final"], what=f"{name}, rank {rank}, uninterrupted")
+        assert got["loaded_step"] == SAVED_AT, got["loaded_step"]
+        assert_state_close(got["loaded"], got["saved"], rel=0.0, what=f"{name}, rank {rank}, loaded in place")
+        assert_state_close(got["same_layout"], got["final"], what=f"{name}, rank {rank}, resumed at DP 2")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_at_data_parallel_1_is_exact(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: list[dict[str, Any]],
+    reference: dict[str, dict[str, torch.Tensor]], name: str,
+) -> None:
+    for rank, results in enumerate(resumed):
+        assert results[f"{name}_step"] == SAVED_AT
+        assert_state_close(results[name], saved[1][0][name]["final"], what=f"{name}, DP 1, rank {rank}")
+        assert_state_close(results[name], reference["final"], what=f"{name}, DP 1, rank {rank} vs one process")
+
+
+@pytest.mark.timeout(600)
+def test_a_run_without_tensor_parallelism_resumes_from_whole_tensors(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: list[dict[str, Any]]
+) -> None:
+    for rank, results in enumerate(resumed):
+        assert_state_close(results["no_tp"], saved[1][0]["zero3"]["final"], what=f"without TP, rank {rank}")
+        assert results["plain_only"] == {"step": SAVED_AT}, results["plain_only"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_failed_save_keeps_the_previous_checkpoint(saved: tuple[Path, list[dict[str, Any]]], name: str) -> None:
+    root, runs = saved
+    for rank, results in enumerate(runs):  # every rank raised, naming the failure
+        outcome = results[name]["failed_save"]
+        assert outcome["error"] is not None and "disk full (planted)" in outcome["error"], (rank, outcome)
+        assert outcome["before"] == outcome["after"], "the manifest switched to a save that failed"
+        assert outcome["versions"] == [f"v-{outcome['before']}"], outcome["versions"]
+        assert outcome["siblings"] == [], outcome["siblings"]
+    # and the checkpoint it kept is the one every resume reads (the resume tests hold its values)
+    kept = TensorParallelManifest.read(root / name / "checkpoint").checkpoint_id
+    assert kept == runs[0][name]["failed_save"]["before"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_zero_to_fp32_writes_the_whole_model(
+    saved: tuple[Path, list[dict[str, Any]]], reference: dict[str, dict[str, torch.Tensor]], name: str,
+    tmp_path: Path,
+) -> None:
+    root, runs = saved
+    written = load_file(consolidate(root / name / "checkpoint", tmp_path / "model.safetensors", progress=False))
+    assert_state_close(written, runs[0][name]["saved"], rel=0.0, what=f"{name}, zero-to-fp32")
+    assert_state_close(written, reference["saved"], what=f"{name}, zero-to-fp32 vs one process")
+
+
+@pytest.mark.timeout(600)
+def test_what_stays_unsupported_is_refused_by_name(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, results in enumerate(saved[1]):
+        raw, filtered = results["zero1"]["refused"]
+        assert raw.startswith("ZeRO: fabric.load_raw of a tensor-parallel module"), (rank, raw)
+        assert filtered.startswith("ZeRO: fabric.save as one consolidated file"), (rank, filtered)
+        assert all("fabric.load(path, state)" in message for message in (raw, filtered))  # what works instead
