@@ -3,11 +3,12 @@ tensor_parallel_size=2, parallelize_fn=fn)`` on 4 ranks (2 data-parallel x 2 ten
 tests/helpers/tp_toy.py's ToyNet SAVED_AT steps, saves ``{"model", "optimizer", "step"}`` (the Trainer's
 tensor-parallel layout: one sharded checkpoint per TP coordinate, ``tensor_parallel.json`` switched last), then a
 save over it fails on one rank, and the run trains MORE steps: the uninterrupted run. The checkpoint then resumes
-for MORE steps at DP 1 (2 ranks, TP 2), at the same layout (loaded back in place in the first launch), and in a run
-without tensor parallelism (2 ranks, DP 2): each equal within 1e-5 to the uninterrupted run and to the
-single-process reference. Stages 1 and 3 (stage 3 on "auto" and "point_to_point"). Also: the failed save kept the
-old checkpoint; ``zero-to-fp32`` writes the whole model; ``fabric.load(path)`` without a state returns the plain
-entries; what stays unsupported (``load_raw``, the consolidated file) is refused by name.
+for MORE steps at the same layout (loaded back in place), at DP 1 (2 ranks) and DP 4 (8 ranks) with TP 2, at TP 4
+(8 ranks, DP 2) and in a run without tensor parallelism (2 ranks, DP 2); and a checkpoint saved without tensor
+parallelism resumes at TP 2: each equal within 1e-5 to the uninterrupted run and to the single-process reference.
+Stages 1 and 3 (stage 3 on "auto" and "point_to_point"). Also: the failed save kept the old checkpoint;
+``zero-to-fp32`` writes the whole model; ``fabric.load(path)`` without a state returns the plain entries; what stays
+unsupported (``load_raw``, the consolidated file) is refused by name.
 
 Each step's global batch is ``global_batch(step, GLOBAL_ROWS)`` dealt by hand to the data-parallel ranks (a TP
 group's ranks take the same rows), so every layout trains on the same rows as the reference. The fits of one world
@@ -139,28 +140,42 @@ def save_and_continue(rank: int, world: int, root: Path) -> dict[str, Any]:
             result["refused"] = _refused(fabric, state, target)
         results[name] = result
         fabric.barrier()
+    fabric = _fabric(world, 1, CONFIGS["zero3"])  # without tensor parallelism (DP 4), for a TP run to resume from
+    state = _state(fabric)
+    _train(fabric, state, SAVED_AT, 1)
+    fabric.save(root / "no_tp" / "checkpoint", state)
+    _train(fabric, state, MORE, 1)
+    results["no_tp"] = {"final": full_state(state["model"])}
     return results
 
 
+def _resumed(world: int, tensor_parallel_size: int, zero: dict[str, Any], path: Path) -> dict[str, Any]:
+    fabric = _fabric(world, tensor_parallel_size, zero)
+    state = _state(fabric)
+    fabric.load(path, state)
+    loaded_step = state["step"]
+    _train(fabric, state, MORE, tensor_parallel_size)
+    result = {"step": loaded_step, "final": full_state(state["model"])}
+    fabric.barrier()
+    return result
+
+
 def resume(rank: int, world: int, root: Path) -> dict[str, Any]:
-    """2 ranks: each configuration's checkpoint resumed at DP 1 x TP 2; zero3's also without tensor parallelism
-    (DP 2, whole tensors); and a load without a state."""
+    """Each configuration's checkpoint resumed with TP 2 on ``world`` ranks; on 2 ranks also without tensor
+    parallelism (DP 2, whole tensors), TP 2 from the checkpoint saved without it, and a load without a state; on 8
+    ranks also at TP 4 (DP 2)."""
     as_launched_rank(rank, world)
     results: dict[str, Any] = {}
     for name, zero in CONFIGS.items():
-        fabric = _fabric(world, TP, zero)
-        state = _state(fabric)
-        fabric.load(root / name / "checkpoint", state)
-        results[f"{name}_step"] = state["step"]
-        _train(fabric, state, MORE, TP)
-        results[name] = full_state(state["model"])
-        fabric.barrier()
-    fabric = _fabric(world, 1, CONFIGS["zero3"])
-    state = _state(fabric)
-    results["plain_only"] = fabric.load(root / "zero1" / "checkpoint")
-    fabric.load(root / "zero3" / "checkpoint", state)
-    _train(fabric, state, MORE, 1)
-    results["no_tp"] = full_state(state["model"])
+        results[name] = _resumed(world, TP, zero, root / name / "checkpoint")
+    if world == 2:
+        results["no_tp"] = _resumed(world, 1, CONFIGS["zero3"], root / "zero3" / "checkpoint")
+        results["from_no_tp"] = _resumed(world, TP, CONFIGS["zero3"], root / "no_tp" / "checkpoint")
+        fabric = _fabric(world, TP, CONFIGS["zero1"])
+        results["plain_only"] = fabric.load(root / "zero1" / "checkpoint")
+    if world == 8:  # TP 4 x DP 2: every block is a part of a saved block
+        for name in ("zero1", "zero3"):
+            results[f"tp4_{name}"] = _resumed(world, 4, CONFIGS[name], root / name / "checkpoint")
     return results
 
 
@@ -171,8 +186,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
 
 
 @pytest.fixture(scope="module")
-def resumed(saved: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    return run_ranks(resume, 2, saved[0], timeout_s=240, pg_timeout_s=60.0)
+def resumed(saved: tuple[Path, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    return {world: run_ranks(resume, world, saved[0], timeout_s=300, pg_timeout_s=60.0) for world in (2, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -196,24 +211,52 @@ def test_the_uninterrupted_run_and_a_load_in_place_match_the_reference(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_resume_at_data_parallel_1_is_exact(
-    saved: tuple[Path, list[dict[str, Any]]], resumed: list[dict[str, Any]],
+def test_resume_at_another_data_parallel_size_is_exact(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]],
+    reference: dict[str, dict[str, torch.Tensor]], world: int, name: str,
+) -> None:
+    for rank, results in enumerate(resumed[world]):
+        what = f"{name}, DP {world // TP}, rank {rank}"
+        assert results[name]["step"] == SAVED_AT, (what, results[name]["step"])
+        assert_state_close(results[name]["final"], saved[1][0][name]["final"], what=what)
+        assert_state_close(results[name]["final"], reference["final"], what=f"{what} vs one process")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_resume_at_another_tensor_parallel_size_is_exact(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]],
     reference: dict[str, dict[str, torch.Tensor]], name: str,
 ) -> None:
-    for rank, results in enumerate(resumed):
-        assert results[f"{name}_step"] == SAVED_AT
-        assert_state_close(results[name], saved[1][0][name]["final"], what=f"{name}, DP 1, rank {rank}")
-        assert_state_close(results[name], reference["final"], what=f"{name}, DP 1, rank {rank} vs one process")
+    for rank, results in enumerate(resumed[8]):
+        got = results[f"tp4_{name}"]
+        assert got["step"] == SAVED_AT
+        assert_state_close(got["final"], saved[1][0][name]["final"], what=f"{name} at TP 4, rank {rank}")
+        assert_state_close(got["final"], reference["final"], what=f"{name} at TP 4, rank {rank} vs one process")
 
 
 @pytest.mark.timeout(600)
 def test_a_run_without_tensor_parallelism_resumes_from_whole_tensors(
-    saved: tuple[Path, list[dict[str, Any]]], resumed: list[dict[str, Any]]
+    saved: tuple[Path, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]]
 ) -> None:
-    for rank, results in enumerate(resumed):
-        assert_state_close(results["no_tp"], saved[1][0]["zero3"]["final"], what=f"without TP, rank {rank}")
+    for rank, results in enumerate(resumed[2]):
+        assert results["no_tp"]["step"] == SAVED_AT
+        assert_state_close(results["no_tp"]["final"], saved[1][0]["zero3"]["final"], what=f"without TP, rank {rank}")
         assert results["plain_only"] == {"step": SAVED_AT}, results["plain_only"]
+
+
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_run_resumes_from_a_checkpoint_saved_without_it(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]],
+    reference: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    uninterrupted = saved[1][0]["no_tp"]["final"]
+    assert_state_close(uninterrupted, reference["final"], what="the run without TP, uninterrupted")
+    for rank, results in enumerate(resumed[2]):
+        assert results["from_no_tp"]["step"] == SAVED_AT
+        assert_state_close(results["from_no_tp"]["final"], uninterrupted, what=f"TP 2 from no TP, rank {rank}")
 
 
 @pytest.mark.timeout(600)
