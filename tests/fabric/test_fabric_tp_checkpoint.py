@@ -31,9 +31,9 @@ from torch import nn
 
 import zero_strategy.checkpoint.sharded.save as save_module
 from zero_strategy import ZeroFabricStrategy
-from zero_strategy.checkpoint.base.format import CheckpointError
+from zero_strategy.checkpoint.base.format import MANIFEST_NAME, CheckpointError
 from zero_strategy.checkpoint.export.consolidate import consolidate
-from zero_strategy.checkpoint.sharded.tensor_parallel import TensorParallelManifest
+from zero_strategy.checkpoint.sharded.tensor_parallel import TP_MANIFEST_NAME, TensorParallelManifest
 from zero_strategy.fabric.tensor_parallel import TensorParallelCheckpointError
 from zero_strategy.testing import run_ranks
 
@@ -51,8 +51,9 @@ def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
     return model
 
 
-def _fabric(world: int, tensor_parallel_size: int, zero: dict[str, Any]) -> Fabric:
-    fn = parallelize if tensor_parallel_size > 1 else None
+def _fabric(world: int, tensor_parallel_size: int, zero: dict[str, Any], plan: bool = False) -> Fabric:
+    """``plan``: a parallelize_fn with tensor_parallel_size=1 too (its mesh is ``(world, 1)``)."""
+    fn = parallelize if tensor_parallel_size > 1 or plan else None
     strategy = ZeroFabricStrategy(**zero, tensor_parallel_size=tensor_parallel_size, parallelize_fn=fn,
                                   process_group_timeout_s=60.0)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision="32-true")
@@ -149,13 +150,17 @@ def save_and_continue(rank: int, world: int, root: Path) -> dict[str, Any]:
     return results
 
 
-def _resumed(world: int, tensor_parallel_size: int, zero: dict[str, Any], path: Path) -> dict[str, Any]:
-    fabric = _fabric(world, tensor_parallel_size, zero)
+def _resumed(world: int, tensor_parallel_size: int, zero: dict[str, Any], path: Path,
+             plan: bool = False, save_to: Path | None = None) -> dict[str, Any]:
+    """Load ``path``, train MORE steps (then save at ``save_to``)."""
+    fabric = _fabric(world, tensor_parallel_size, zero, plan)
     state = _state(fabric)
     fabric.load(path, state)
     loaded_step = state["step"]
     _train(fabric, state, MORE, tensor_parallel_size)
     result = {"step": loaded_step, "final": full_state(state["model"])}
+    if save_to is not None:
+        fabric.save(save_to, state)
     fabric.barrier()
     return result
 
@@ -170,6 +175,8 @@ def resume(rank: int, world: int, root: Path) -> dict[str, Any]:
         results[name] = _resumed(world, TP, zero, root / name / "checkpoint")
     if world == 2:
         results["no_tp"] = _resumed(world, 1, CONFIGS["zero3"], root / "zero3" / "checkpoint")
+        results["plan_tp1"] = _resumed(world, 1, CONFIGS["zero3"], root / "zero3" / "checkpoint", plan=True,
+                                       save_to=root / "plan_tp1" / "checkpoint")
         results["from_no_tp"] = _resumed(world, TP, CONFIGS["zero3"], root / "no_tp" / "checkpoint")
         fabric = _fabric(world, TP, CONFIGS["zero1"])
         results["plain_only"] = fabric.load(root / "zero1" / "checkpoint")
@@ -244,6 +251,9 @@ def test_a_run_without_tensor_parallelism_resumes_from_whole_tensors(
     for rank, results in enumerate(resumed[2]):
         assert results["no_tp"]["step"] == SAVED_AT
         assert_state_close(results["no_tp"]["final"], saved[1][0]["zero3"]["final"], what=f"without TP, rank {rank}")
+        # the plan on a (2, 1) mesh: DTensor parameters whose blocks are the whole tensors
+        assert results["plan_tp1"]["step"] == SAVED_AT
+        assert_state_close(results["plan_tp1"]["final"], saved[1][0]["zero3"]["final"], what=f"TP 1 plan, rank {rank}")
         assert results["plain_only"] == {"step": SAVED_AT}, results["plain_only"]
 
 
@@ -293,3 +303,15 @@ def test_what_stays_unsupported_is_refused_by_name(saved: tuple[Path, list[dict[
         assert raw.startswith("ZeRO: fabric.load_raw of a tensor-parallel module"), (rank, raw)
         assert filtered.startswith("ZeRO: fabric.save as one consolidated file"), (rank, filtered)
         assert all("fabric.load(path, state)" in message for message in (raw, filtered))  # what works instead
+
+
+@pytest.mark.timeout(600)
+def test_a_plan_on_a_mesh_of_tensor_parallel_size_1_saves_whole_tensors(
+    saved: tuple[Path, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A parallelize_fn with tensor_parallel_size=1 (DTensor parameters over a ``(world, 1)`` mesh) writes an
+    ordinary sharded checkpoint of whole tensors."""
+    path = saved[0] / "plan_tp1" / "checkpoint"
+    assert not (path / TP_MANIFEST_NAME).exists() and (path / MANIFEST_NAME).is_file()
+    written = load_file(consolidate(path, tmp_path / "model.safetensors", progress=False))
+    assert_state_close(written, resumed[2][0]["plan_tp1"]["final"], rel=0.0, what="TP 1 plan, zero-to-fp32")
