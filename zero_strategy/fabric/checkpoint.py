@@ -190,6 +190,7 @@ class FabricCheckpoints:
             _validate_keys_for_strict_loading(state.keys(), keys, strict)
             engine = sorted_state.engine
             with_optimizer = bool(sorted_state.optimizer_keys) and opened.manifest.has_optimizer_state
+            # the TP views read as a ShardedCheckpoint does; check_compatible is typed on it (as in lightning/)
             check_compatible(engine, opened, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
             load_weights(engine, opened)
             engine.module.load_state_dict(buffers, strict=False)
@@ -232,7 +233,7 @@ def _open_for(path: Path, sorted_state: SortedState) -> RunCheckpoint:
 def _refuse_tensor_parallel(engine: ZeroEngine, what: str) -> None:
     """A named error where a Fabric checkpoint would take a rank's local block for the whole tensor (see [Note:
     Fabric checkpoints with tensor parallelism])."""
-    if any(is_distributed(value) for value in engine.module.state_dict(keep_vars=True).values()):
+    if any(is_distributed(param) for param in engine.module.parameters()):
         raise TensorParallelCheckpointError(
             f"ZeRO: {what} of a tensor-parallel module (DTensor parameters from parallelize_fn) is not supported "
             "under Fabric yet. Save with fabric.save(path, state) as the sharded directory (the default "
