@@ -3,15 +3,14 @@ CPU ranks (2 data-parallel x 2 tensor-parallel) trains tests/helpers/tp_toy.py's
 reference and to Lightning's Fabric ``ModelParallelStrategy`` with the same plan, gradients clipped by their global
 norm (over both mesh dimensions); the mesh is ModelParallelStrategy's and the sampler's ranks are the data-parallel
 ones. Stages 1, 2, 3 (stage 3 on both transports) and ModelParallelStrategy run one after another in one launch of 4
-ranks that run_ranks forks and Fabric takes for ranks torchrun started. Also: ``fabric.save``/``load`` of a
-tensor-parallel module is refused by name, and a bad ``parallelize_fn`` (a lambda with the spawn launcher, an
-optimizer set up with the module it replaced the parameters of) is refused with the remedy."""
+ranks that run_ranks forks and Fabric takes for ranks torchrun started. Also: a bad ``parallelize_fn`` (a lambda
+with the spawn launcher, an optimizer set up with the module it replaced the parameters of) is refused with the
+remedy. ``fabric.save``/``load`` of a tensor-parallel module: tests/fabric/test_fabric_tp_checkpoint.py."""
 
 from __future__ import annotations
 
 import itertools
 import pickle
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +34,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from zero_strategy import ZeroFabricStrategy
-from zero_strategy.fabric.tensor_parallel import TensorParallelCheckpointError
 from zero_strategy.testing import run_ranks
 
 WORLD, TP, ROWS, STEPS, LR, CLIP = 4, 2, 2, 3, 1e-2, 0.5  # ROWS per data-parallel rank and step
@@ -90,10 +88,9 @@ def _rows(step: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[picked], targets[picked]
 
 
-def train_each(rank: int, world: int, root: str) -> dict[str, Any]:
+def train_each(rank: int, world: int) -> dict[str, Any]:
     """Each strategy: setup_module, AdamW, setup_optimizers, setup_dataloaders, STEPS steps clipped at CLIP; the
-    full trained state,
-    the norms clip_gradients returned, the mesh and the sampler's ranks; for ZeRO the refused save and load."""
+    full trained state, the norms clip_gradients returned, the mesh and the sampler's ranks."""
     as_launched_rank(rank, world)
     out: dict[str, Any] = {}
     for name in (*ZERO, "model_parallel"):
@@ -118,29 +115,14 @@ def train_each(rank: int, world: int, root: str) -> dict[str, Any]:
             "placements": {key: (param.device_mesh.mesh_dim_names, [repr(p) for p in param.placements])
                            for key, param in model.module.named_parameters()},
         }
-        if name != "model_parallel":
-            result["refused"] = _refused_checkpoints(fabric, model, optimizer, Path(root) / name)
         out[name] = result
         fabric.barrier()
     return out
 
 
-def _refused_checkpoints(fabric: Fabric, model: nn.Module, optimizer: Any, path: Path) -> list[str]:
-    refused = []
-    for call in (lambda: fabric.save(path, {"model": model, "optimizer": optimizer}),
-                 lambda: fabric.load(path, {"model": model}),
-                 lambda: fabric.load_raw(path, model)):
-        try:
-            call()
-        except TensorParallelCheckpointError as error:
-            refused.append(str(error))
-    return refused
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("fabric_tp")
-    return run_ranks(train_each, WORLD, str(root), timeout_s=900, pg_timeout_s=120)
+def runs() -> list[dict[str, Any]]:
+    return run_ranks(train_each, WORLD, timeout_s=900, pg_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -178,17 +160,6 @@ def test_zero_with_tensor_parallel_trains_the_reference_and_model_parallel_weigh
         assert got["placements"] == PLACEMENTS, (rank, got["placements"])
         assert got["mesh"] == model_parallel["mesh"] == (("data_parallel", "tensor_parallel"), [[0, 1], [2, 3]])
         assert got["sampler"] == model_parallel["sampler"] == {"num_replicas": DP, "rank": rank // TP}
-
-
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", list(ZERO))
-def test_fabric_save_and_load_of_a_tensor_parallel_module_are_refused_by_name(
-        runs: list[dict[str, Any]], name: str) -> None:
-    for rank, result in enumerate(runs):
-        refused = result[name]["refused"]
-        assert [message.split(" of a")[0] for message in refused] == ["ZeRO: fabric.save", "ZeRO: fabric.load",
-                                                                      "ZeRO: fabric.load"], (rank, refused)
-        assert all("not supported under Fabric yet" in message for message in refused), refused
 
 
 def test_the_strategy_with_a_parallelize_fn_pickles() -> None:

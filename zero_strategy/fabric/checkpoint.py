@@ -20,6 +20,18 @@ consolidated file (``state_dict_type="full"``) is a plain ``torch.save`` that an
 it holds the user's keys only: the keys name themselves in it, and the loss scaler is saved as Fabric saves a
 GradScaler, when the state holds it (``state["precision"] = fabric.strategy.precision``, a stateful object).
 Loading a file written with the entry (before this) still reads and drops it.
+
+[Note: Fabric checkpoints with tensor parallelism]
+With ``tensor_parallel_size=K > 1`` ``fabric.save`` writes what the Trainer writes: one sharded checkpoint per TP
+coordinate and ``tensor_parallel.json`` switched last (see [Note: tensor-parallel checkpoint layout] in
+checkpoint/sharded/tensor_parallel.py), through the Trainer's writer choice (``save_checkpoint_as``), so a save is
+atomic across the whole world and ``zero-to-fp32`` reads it as whole tensors. ``fabric.load`` opens what this
+rank's TP coordinate reads through the Trainer's ``open_for_run`` (its own part at the same TP size, at any DP size;
+whole tensors cut into this run's blocks at another TP size, or without tensor parallelism), then loads as for any
+sharded directory. Each rank's place comes from its engine (the TP group's size and its rank in it), so the adapter
+adds no collective. Not done for a module with DTensor parameters (a named TensorParallelCheckpointError): the
+consolidated file (``state_dict_type="full"``, a ``filter``), loading one, and ``load_raw``; they would read or
+write each rank's local block as if it were the whole tensor.
 """
 
 from __future__ import annotations
@@ -37,8 +49,8 @@ from torch.optim import Optimizer
 
 from zero_strategy.checkpoint.base.format import BUFFERS_KEY, MANIFEST_NAME, PARAM_GROUPS_KEY
 from zero_strategy.checkpoint.sharded.load import check_compatible, load_optimizer_state, load_weights
-from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
-from zero_strategy.checkpoint.sharded.save import save_sharded
+from zero_strategy.checkpoint.sharded.tensor_parallel import is_tensor_parallel_directory
+from zero_strategy.checkpoint.sharded.tensor_parallel_blocks import RunCheckpoint, open_for_run
 from zero_strategy.checkpoint.strategy_io.full_state import (
     full_optimizer_state,
     full_weights,
@@ -46,9 +58,13 @@ from zero_strategy.checkpoint.strategy_io.full_state import (
 )
 from zero_strategy.checkpoint.strategy_io.save_info import save_info
 from zero_strategy.checkpoint.strategy_io.whole_file import load_raw_module, read_whole_file, write_whole_file
+from zero_strategy.checkpoint.strategy_io.writer_choice import save_checkpoint_as
+from zero_strategy.config import CheckpointFormat
 from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.plan.tensor_parallel import is_distributed
 from zero_strategy.fabric.precision import ZeroFabricPrecision
 from zero_strategy.fabric.sharded_modules import ShardedModule, ShardedModules
+from zero_strategy.fabric.tensor_parallel import TensorParallelCheckpointError
 
 FABRIC_KEY = "zero_strategy.fabric"
 """The entry where a Fabric checkpoint records which keys are the module and optimizers, and the loss scaler."""
@@ -109,13 +125,18 @@ class FabricCheckpoints:
         for key, obj in sorted_state.other.items():
             _apply_filter(key, filter, obj.state_dict() if isinstance(obj, _Stateful) else obj, plain)
         if self.full or held & set(filter) or sorted_state.item is None:  # a filter selects by name: one file
+            if sorted_state.item is not None:
+                _refuse_tensor_parallel(sorted_state.engine, "fabric.save as one consolidated file "
+                                        '(state_dict_type="full" or a filter on the module or an optimizer)')
             self._save_full(Path(path), sorted_state, plain, filter)
             return
         engine = sorted_state.engine
         trainer_state = {**plain, FABRIC_KEY: _record(sorted_state, precision)}
         if sorted_state.optimizer_keys:
             trainer_state["optimizer_states"] = [{} for _ in engine.optimizers]  # their state goes to the shards
-        save_sharded(engine, path, trainer_state, save_info(precision.precision))
+        # the Trainer's choice: one sharded directory, or with tensor parallelism one per TP coordinate (see [Note:
+        # Fabric checkpoints with tensor parallelism]); ZeroFabricStrategy accepts checkpoint_format="zero" only
+        save_checkpoint_as(CheckpointFormat.zero, engine, path, trainer_state, save_info(precision.precision))
 
     def _save_full(self, path: Path, sorted_state: SortedState, plain: dict[str, Any],
                    filter: dict[str, Any]) -> None:
@@ -137,13 +158,17 @@ class FabricCheckpoints:
         holds beyond it. Collective."""
         target = Path(path)
         if isinstance(state, nn.Module):
-            load_raw_module(self.modules.find(state).engine, target, strict)
+            engine = self.modules.find(state).engine
+            _refuse_tensor_parallel(engine, "fabric.load_raw")
+            load_raw_module(engine, target, strict)
             return {}
         if isinstance(state, Optimizer):
+            engine = self.modules.engine_of(state)
+            _refuse_tensor_parallel(engine, "fabric.load_raw of an optimizer")
             content = read_whole_file(target, weights_only)
-            load_full_optimizer_state(self.modules.engine_of(state), state, content)
+            load_full_optimizer_state(engine, state, content)
             return {}
-        if target.is_dir() and (target / MANIFEST_NAME).is_file():
+        if target.is_dir() and ((target / MANIFEST_NAME).is_file() or is_tensor_parallel_directory(target)):
             return self._load_sharded(target, state or {}, precision, strict, weights_only)
         content = read_whole_file(target, weights_only)
         if not state:
@@ -152,7 +177,8 @@ class FabricCheckpoints:
 
     def _load_sharded(self, path: Path, state: dict[str, Any], precision: ZeroFabricPrecision, strict: bool,
                       weights_only: bool | None) -> dict[str, Any]:
-        opened = ShardedCheckpoint(path)
+        sorted_state = sort_state(state, self.modules) if state else SortedState()
+        opened = _open_for(path, sorted_state)
         try:
             saved = opened.trainer_state(weights_only)
             record = saved.pop(FABRIC_KEY, {})
@@ -160,12 +186,12 @@ class FabricCheckpoints:
             saved.pop("optimizer_states", None)
             if not state:
                 return saved
-            sorted_state = sort_state(state, self.modules)
             keys = set(saved) | {record.get("module")} | set(record.get("optimizers", {}))
             _validate_keys_for_strict_loading(state.keys(), keys, strict)
             engine = sorted_state.engine
             with_optimizer = bool(sorted_state.optimizer_keys) and opened.manifest.has_optimizer_state
-            check_compatible(engine, opened, strict=strict, with_optimizer=with_optimizer)
+            # the TP views read as a ShardedCheckpoint does; check_compatible is typed on it (as in lightning/)
+            check_compatible(engine, opened, strict=strict, with_optimizer=with_optimizer)  # type: ignore[arg-type]
             load_weights(engine, opened)
             engine.module.load_state_dict(buffers, strict=False)
             if with_optimizer:
@@ -181,6 +207,8 @@ class FabricCheckpoints:
         record = content.pop(FABRIC_KEY, {})  # files written before the full file held the user's keys only
         _validate_keys_for_strict_loading(state.keys(), content.keys(), strict)
         sorted_state = sort_state(state, self.modules)
+        if sorted_state.item is not None:
+            _refuse_tensor_parallel(sorted_state.engine, "fabric.load of a consolidated file")
         if sorted_state.module_key in content:
             sorted_state.engine.module.load_state_dict(content.pop(sorted_state.module_key), strict=strict)
         for key, index in sorted_state.optimizer_keys.items():
@@ -189,6 +217,30 @@ class FabricCheckpoints:
                 load_full_optimizer_state(engine, engine.optimizers[index], content.pop(key))
         precision.load_state_dict(record.get("precision", {}))
         return _restore_others(state, set(sorted_state.other), content)
+
+
+def _open_for(path: Path, sorted_state: SortedState) -> RunCheckpoint:
+    """What this rank reads of the checkpoint ``path`` (see [Note: Fabric checkpoints with tensor parallelism]):
+    placed by the state's engine; without a module in the state, any part (they hold the same trainer state)."""
+    if sorted_state.item is None:
+        return open_for_run(path, 1, 0, None)
+    engine = sorted_state.engine
+    tensor = engine.comms.tensor
+    size, coordinate = (1, 0) if tensor is None else (tensor.size, tensor.rank)
+    return open_for_run(path, size, coordinate, engine.module)
+
+
+def _refuse_tensor_parallel(engine: ZeroEngine, what: str) -> None:
+    """A named error where a Fabric checkpoint would take a rank's local block for the whole tensor (see [Note:
+    Fabric checkpoints with tensor parallelism])."""
+    if any(is_distributed(param) for param in engine.module.parameters()):
+        raise TensorParallelCheckpointError(
+            f"ZeRO: {what} of a tensor-parallel module (DTensor parameters from parallelize_fn) is not supported "
+            "under Fabric yet. Save with fabric.save(path, state) as the sharded directory (the default "
+            'state_dict_type="sharded") and load it with fabric.load(path, state); zero-to-fp32 turns that '
+            "directory into one file of the whole model; whole weights load into the module before "
+            "fabric.setup_module."
+        )
 
 
 def _record(sorted_state: SortedState, precision: ZeroFabricPrecision) -> dict[str, Any]:

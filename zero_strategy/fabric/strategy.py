@@ -288,13 +288,11 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         """Every rank writes its shard of the directory rank 0 names (see [Note: what a Fabric checkpoint holds])."""
         if storage_options is not None:
             raise TypeError("ZeroFabricStrategy.save_checkpoint does not take storage_options")
-        self._parallelize.refuse_checkpoint(self.config, "fabric.save")
         self._checkpoints.save(self.broadcast(path), state, self.precision, filter)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        self._parallelize.refuse_checkpoint(self.config, "fabric.load")
         return self._checkpoints.load(self.broadcast(path), state, self.precision, strict, weights_only)
 
     @override

@@ -38,7 +38,9 @@ PICKLING_START_METHODS = ("spawn", "forkserver")  # the launchers that send the 
 
 
 class TensorParallelCheckpointError(NotImplementedError):
-    """``fabric.save`` / ``fabric.load`` of a tensor-parallel module: not supported under Fabric yet."""
+    """What Fabric's checkpoints do not do with a tensor-parallel module yet: ``fabric.load_raw``, the consolidated
+    file (``state_dict_type="full"`` or a ``filter``) and loading one (see [Note: Fabric checkpoints with tensor
+    parallelism] in fabric/checkpoint.py)."""
 
 
 class Parallelize:
@@ -57,10 +59,6 @@ class Parallelize:
                     "start_method='popen' (the default)."
                 ) from None
         self.fn = fn
-
-    def active(self, config: ZeroConfig) -> bool:
-        """Whether the module is (or will be) tensor-parallel: a ``parallelize_fn`` or ``tensor_parallel_size`` > 1."""
-        return self.fn is not None or config.tensor_parallel_size > 1
 
     def mesh(self, device: torch.device, world_size: int, config: ZeroConfig) -> Any | None:
         """The ``(world, 1)`` mesh ``fn`` gets when ``tensor_parallel_size`` is 1 (the mesh ModelParallelStrategy
@@ -92,12 +90,3 @@ class Parallelize:
                 "(optimizer = fabric.setup_optimizers(optimizer)), as under ModelParallelStrategy."
             )
         return result
-
-    def refuse_checkpoint(self, config: ZeroConfig, what: str) -> None:
-        """Fabric's checkpoints do not hold tensor-parallel modules yet: a named error instead of a wrong file."""
-        if self.active(config):
-            raise TensorParallelCheckpointError(
-                f"ZeRO: {what} of a tensor-parallel module (parallelize_fn or tensor_parallel_size > 1) is not "
-                "supported under Fabric yet. Save the full weights by hand: model.state_dict() on every rank, each "
-                "DTensor value gathered with .full_tensor() (every rank calls it), torch.save from rank 0."
-            )
