@@ -151,8 +151,9 @@ def engine_state_dict(
     if leader:
         optimizers = [{"class": qualified_name(o), "param_groups": len(o.param_groups)} for o in engine.optimizers]
         own[TRAINER_STATE] = to_bytes(trainer_state)
+        ranks = engine.place.world_size * world.tp_size  # the shard group's ranks, times the TP size
         own[INFO] = info_json(
-            world.size, int(engine.stage), info.precision, info.versions, optimizers, dict(info.extra), world.tp_size
+            ranks, int(engine.stage), info.precision, info.versions, optimizers, dict(info.extra), world.tp_size
         )
     content[OURS] = own
     return content
