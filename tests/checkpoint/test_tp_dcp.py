@@ -2,7 +2,8 @@
 checkpoint_format="dcp")`` on 4 ranks (2 DP x 2 TP) writes one DCP directory of whole tensors for the world (see
 [Note: DCP boxes of a tensor-parallel block] in zero_strategy/checkpoint/dcp/tensor_parallel.py); it resumes at DP
 1 (2 ranks) and DP 4 (8 ranks), at TP 4 (8 ranks) and without tensor parallelism, equal to the uninterrupted run
-and to a single-process reference; torch's ``dcp.load`` fills a DTensor state dict of the same plan from it.
+and to a single-process reference; torch's ``dcp.load`` fills a DTensor state dict of the same plan from it; a save
+that fails on one rank leaves the previous checkpoint as it was.
 
 Layouts are comparable as in test_tp_checkpoints.py (8 samples, a global batch of 4, 2 steps per epoch; the
 checkpoint resumed is the one at step 2, an epoch boundary). The fits of one world size share one launch.
@@ -26,13 +27,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 
+import zero_strategy.checkpoint.dcp.planner as planner
 from zero_strategy import ZeroStrategy
+from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.dcp.content import add_range
 from zero_strategy.checkpoint.dcp.planner import ChunkedTensor
 from zero_strategy.checkpoint.dcp.tensor_parallel import Placed
 from zero_strategy.testing import run_ranks
 
 SAMPLES, GLOBAL_ROWS, SAVED_AT, TOTAL = 8, 4, 2, 4  # 2 steps per epoch; resume at the end of epoch 0
+FAILED_SAVE_AT = 3  # a save over the step-2 checkpoint that fails on one rank (see FailOneSave)
 CONFIGS = {"zero1": (1, "auto"), "zero3": (3, "auto"), "zero3_p2p": (3, "point_to_point")}
 
 
@@ -57,6 +61,42 @@ class PlainModule(ToyTPModule):
 
     def configure_model(self) -> None:
         pass
+
+
+class FailOneSave(pl.Callback):
+    """At step FAILED_SAVE_AT, save over ``target`` with world rank 1 (DP rank 0 of TP coordinate 1) failing while
+    it produces a box: every rank must raise, and ``target`` must stay the checkpoint it was, byte for byte."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.outcome: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != FAILED_SAVE_AT or self.outcome:
+            return
+        before = _files(self.target)
+        original = planner.ChunkedSavePlanner.resolve_data
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise OSError("disk full (planted)")
+
+        if trainer.global_rank == 1:
+            planner.ChunkedSavePlanner.resolve_data = broken  # type: ignore[method-assign]
+        try:
+            trainer.save_checkpoint(self.target)
+            self.outcome["error"] = None
+        except CheckpointError as error:
+            self.outcome["error"] = str(error)
+        finally:
+            planner.ChunkedSavePlanner.resolve_data = original  # type: ignore[method-assign]
+        self.outcome["unchanged"] = _files(self.target) == before
+        self.outcome["siblings"] = sorted(p.name for p in self.target.parent.iterdir() if p.name.startswith("."))
+
+
+def _files(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory`` (a folder: None) with its bytes."""
+    return {str(path.relative_to(directory)): path.read_bytes() if path.is_file() else None
+            for path in sorted(directory.rglob("*"))}
 
 
 def _trainer(strategy: ZeroStrategy, devices: int, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -85,9 +125,11 @@ def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
         pl.seed_everything(0, verbose=False)
         saves = ModelCheckpoint(dirpath=root / name, filename="step={step}", auto_insert_metric_name=False,
                                 every_n_train_steps=SAVED_AT, save_top_k=-1)
+        failing = FailOneSave(_saved(root, name))
         module = ToyTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
-        _trainer(_strategy(stage, collectives), world, [saves]).fit(module)
+        _trainer(_strategy(stage, collectives), world, [saves, failing]).fit(module)
         results[name] = full_state(module.net)
+        results[f"{name}_failed_save"] = failing.outcome
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     net = make_model(seed=1)  # other values than the checkpoint's: every one must come from it
     apply_plan(net, mesh["tensor_parallel"])
@@ -159,6 +201,16 @@ def test_one_directory_of_whole_tensors(saved: tuple[Path, dict[str, Any]], name
             assert bool((covered == 1).all()), f"{stored}: the boxes do not tile it once"
     rng = sorted(key for key in metadata.state_dict_metadata if key.startswith("zero_strategy.rng."))
     assert rng == [f"zero_strategy.rng.{rank}" for rank in range(4)], rng  # every world rank's
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_failed_save_leaves_the_previous_checkpoint(saved: tuple[Path, dict[str, Any]], name: str) -> None:
+    outcome = saved[1][f"{name}_failed_save"]
+    assert outcome["error"] is not None and "disk full (planted)" in outcome["error"], outcome
+    assert outcome["unchanged"], "the failed save changed the previous checkpoint's files"
+    assert outcome["siblings"] == [], outcome["siblings"]
+    # and the checkpoint it kept is the one every resume below reads (their values are checked there)
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from zero_strategy.checkpoint.base.format import CheckpointError
 from zero_strategy.checkpoint.base.rng import capture_rng
@@ -115,9 +116,17 @@ def _write(staging: DcpStaging, content: dict[str, Any], world: SaveWorld) -> st
                 process_group=world.process_group,
                 no_dist=world.size == 1,
             )
+    except CheckpointException as error:  # a BaseException: DCP's report of the ranks that failed, on every rank
+        return f"{type(error).__name__}: {_failures(error)}"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def _failures(error: CheckpointException) -> str:
+    """Each failed rank's exception, one line each (DCP's own message is a traceback per rank)."""
+    failed = sorted((rank, exc) for rank, (exc, _) in error.failures.items())
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in failed)
 
 
 def engine_state_dict(
