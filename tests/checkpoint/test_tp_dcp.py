@@ -1,9 +1,9 @@
 """DCP checkpoints of tensor-parallel runs (issue 36): ``ZeroStrategy(stage=s, tensor_parallel_size=2,
 checkpoint_format="dcp")`` on 4 ranks (2 DP x 2 TP) writes one DCP directory of whole tensors for the world (see
 [Note: DCP boxes of a tensor-parallel block] in zero_strategy/checkpoint/dcp/tensor_parallel.py); it resumes at DP
-1 (2 ranks) and DP 4 (8 ranks), at TP 4 (8 ranks) and without tensor parallelism, equal to the uninterrupted run
-and to a single-process reference; torch's ``dcp.load`` fills a DTensor state dict of the same plan from it; a save
-that fails on one rank leaves the previous checkpoint as it was.
+1 (2 ranks) and DP 4 (8 ranks), at TP 4 (8 ranks) and without tensor parallelism (and a DCP checkpoint saved without
+it resumes at TP 2), equal to the uninterrupted run and to a single-process reference; torch's ``dcp.load`` fills a
+DTensor state dict of the same plan from it; a save that fails on one rank leaves the previous checkpoint as it was.
 
 Layouts are comparable as in test_tp_checkpoints.py (8 samples, a global batch of 4, 2 steps per epoch; the
 checkpoint resumed is the one at step 2, an epoch boundary). The fits of one world size share one launch.
@@ -37,7 +37,7 @@ from zero_strategy.testing import run_ranks
 
 SAMPLES, GLOBAL_ROWS, SAVED_AT, TOTAL = 8, 4, 2, 4  # 2 steps per epoch; resume at the end of epoch 0
 FAILED_SAVE_AT = 3  # a save over the step-2 checkpoint that fails on one rank (see FailOneSave)
-CONFIGS = {"zero1": (1, "auto"), "zero3": (3, "auto"), "zero3_p2p": (3, "point_to_point")}
+CONFIGS = {"zero1": (1, "auto"), "zero2": (2, "auto"), "zero3": (3, "auto"), "zero3_p2p": (3, "point_to_point")}
 
 
 def reference(steps: int) -> dict[str, Tensor]:
@@ -117,7 +117,8 @@ def _saved(root: Path, name: str) -> Path:
 
 
 def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
-    """4 ranks (2 DP x 2 TP): each configuration fits TOTAL steps saving DCP checkpoints every SAVED_AT steps; then
+    """4 ranks (2 DP x 2 TP): each configuration fits TOTAL steps saving DCP checkpoints every SAVED_AT steps (and a
+    run without TP, DP 4); then
     torch's own dcp.load fills a fresh ToyNet under the same plan (DTensors on the same mesh) from zero3's step 2."""
     as_launched_rank(rank, world)
     results: dict[str, Any] = {}
@@ -130,6 +131,12 @@ def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
         _trainer(_strategy(stage, collectives), world, [saves, failing]).fit(module)
         results[name] = full_state(module.net)
         results[f"{name}_failed_save"] = failing.outcome
+    pl.seed_everything(0, verbose=False)  # without tensor parallelism (DP 4), for a TP run to resume from
+    saves = ModelCheckpoint(dirpath=root / "no_tp", filename="step={step}", auto_insert_metric_name=False,
+                            every_n_train_steps=SAVED_AT, save_top_k=-1)
+    plain = PlainModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
+    _trainer(_strategy(3, "auto", 1), world, [saves]).fit(plain)
+    results["no_tp"] = {key: value.detach().clone() for key, value in plain.net.state_dict().items()}
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     net = make_model(seed=1)  # other values than the checkpoint's: every one must come from it
     apply_plan(net, mesh["tensor_parallel"])
@@ -158,6 +165,8 @@ def resumed_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
     if world == 2:
         plain = PlainModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
         results["no_tp"] = full_state(_resume(plain, _strategy(3, "auto", 1), world, root, "zero3").net)
+        module = ToyTPModule(rows=GLOBAL_ROWS, samples=SAMPLES)
+        results["from_no_tp"] = full_state(_resume(module, _strategy(3, "auto"), world, root, "no_tp").net)
     if world == 8:
         for name in ("zero1", "zero3"):
             module = ToyTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
@@ -235,6 +244,15 @@ def test_a_run_without_tensor_parallelism_resumes(
 ) -> None:
     for rank, results in enumerate(resumed[2]):
         assert_state_close(results["no_tp"], saved[1]["zero3"], what=f"without TP, rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_run_resumes_from_a_dcp_checkpoint_saved_without_it(
+    saved: tuple[Path, dict[str, Any]], resumed: dict[int, list[dict[str, Any]]]
+) -> None:
+    assert_state_close(saved[1]["no_tp"], reference(TOTAL), what="the run without TP, uninterrupted")
+    for rank, results in enumerate(resumed[2]):
+        assert_state_close(results["from_no_tp"], saved[1]["no_tp"], what=f"TP 2 from no TP, rank {rank}")
 
 
 @pytest.mark.timeout(300)
