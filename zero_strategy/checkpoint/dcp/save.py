@@ -8,6 +8,8 @@ state on its rank); DCP's collective save writes every rank's file and, once all
 publishes. A failure anywhere is raised on every rank, after the save's leftovers were removed; the previous checkpoint
 at the path is untouched. With hybrid sharding the replicas' ranks take part in the collectives but write no boxes
 (they hold the first shard group's slices). The key layout is [Note: DCP key layout] in checkpoint/dcp/content.py.
+With tensor parallelism the save spans the whole world and every box is placed in its whole tensor: [Note: DCP boxes
+of a tensor-parallel block] in checkpoint/dcp/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def save_dcp(engine: WritableSource, path: str | os.PathLike, trainer_state: dic
     staging = planned
     with_optimizer = "optimizer_states" in trainer_state
     failure: str | None = None
+    placed: dict[str, Placed] = {}
     try:
+        placed = placements(engine, world.tp_rank)  # a placement no reader knows is refused here, by name
         summary = _optimizer_summary(engine) if with_optimizer and writes else {}
         report: tuple[bool, Any] = (True, summary)
     except Exception as error:  # every rank must reach the agreement, or the others wait for nothing
@@ -87,7 +91,7 @@ def save_dcp(engine: WritableSource, path: str | os.PathLike, trainer_state: dic
     else:
         agreed = _agree([summary for _, summary in reports])
         content = engine_state_dict(
-            engine, trainer_state, info, agreed if with_optimizer else None, (leader, writes), world
+            engine, trainer_state, info, agreed if with_optimizer else None, (leader, writes), (world, placed)
         )
         failure = _write(staging, content, world)  # raised on every rank or on none (DCP agrees on it)
     if leader:
@@ -135,14 +139,13 @@ def engine_state_dict(
     info: SaveInfo,
     optimizer_state: StateSummary | None,
     roles: tuple[bool, bool],
-    world: SaveWorld,
+    where: tuple[SaveWorld, dict[str, Placed]],
 ) -> dict[str, Any]:
     """This rank's part of the nested state dict of [Note: DCP key layout]: the boxes of its slices (if it
     writes: ``roles[1]``), and — on the leader (``roles[0]``) only — what is written once (buffers, scalars,
-    groups, trainer state)."""
-    leader, writes = roles
+    groups, trainer state); ``where``: the ranks of the save and each parameter's place in its whole tensor."""
+    (leader, writes), (world, placed) = roles, where
     rank = engine.place.rank
-    placed = placements(engine, world.tp_rank)
     weights = _weights(engine, rank if writes else None, placed)
     names = engine.parameter_names()
     model: dict[str, Any] = {}
