@@ -175,11 +175,11 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _open_dcp(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         """A DCP directory (ours, or Lightning's FSDP/ModelParallel sharded checkpoint with its ``meta.pt``)."""
-        from zero_strategy.checkpoint.dcp.load import dcp_buffers, module_keys
-        from zero_strategy.checkpoint.dcp.reader import DcpCheckpoint
+        from zero_strategy.checkpoint.dcp.blocks import DcpBlocks
+        from zero_strategy.checkpoint.dcp.load import dcp_buffers
 
         assert self.module is not None, "ZeroStrategy names the module before it opens a checkpoint"
-        opened = DcpCheckpoint(path, expected=module_keys(self.module))
+        opened = DcpBlocks(path, self.module, self.tensor_parallel)  # this rank's tensor-parallel blocks
         if not opened.has_trainer_state():
             raise CheckpointError(
                 f"{path} is a DCP checkpoint without Lightning's trainer state (no zero_strategy.trainer_state item, "

@@ -20,12 +20,15 @@ The state dict handed to ``torch.distributed.checkpoint.save`` is the one FSDP2 
     zero_strategy.trainer_state                  bytes: torch.save of Lightning's trainer state (loops, callbacks,
                                                  schedulers, precision state) without state_dict and optimizer
                                                  state; load with torch.load(io.BytesIO(...), weights_only=True)
-    zero_strategy.rng.<rank>                     bytes: each shard rank's RNG state (exact resume with dropout)
-    zero_strategy.info                           str: JSON (world size, stage, precision, versions, optimizers)
+    zero_strategy.rng.<rank>                     bytes: each shard rank's RNG state (exact resume with dropout);
+                                                 with tensor parallelism keyed by world rank
+    zero_strategy.info                           str: JSON (world size, tensor-parallel size, stage, precision,
+                                                 versions, optimizers)
 
 Parameters and per-element optimizer state are written as boxes of each rank's flat slice (see boxes.py), so DCP's
 metadata describes them as chunks that tile each tensor and any reader layout reshards by intersection.
-Everything else is written once (by the lowest rank holding it).
+Everything else is written once (by the lowest rank holding it). With tensor parallelism every tensor is recorded
+at its whole (global) shape: see [Note: DCP boxes of a tensor-parallel block] in checkpoint/dcp/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ import io
 import json
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from zero_strategy.checkpoint.dcp.boxes import range_boxes
 from zero_strategy.checkpoint.dcp.planner import ChunkedTensor, LazyChunk
+
+if TYPE_CHECKING:
+    from zero_strategy.checkpoint.dcp.tensor_parallel import Placed
 
 MODEL = "model"
 OPTIM = "optim"
@@ -56,13 +62,17 @@ FORMAT_VERSION = 1
 
 
 def add_range(
-    tensor: ChunkedTensor, start: int, count: int, read: Callable[[int, int], Tensor]
+    tensor: ChunkedTensor, start: int, count: int, read: Callable[[int, int], Tensor], placed: Placed | None = None
 ) -> None:
     """Add the boxes of elements ``[start, start + count)`` of ``tensor`` (row-major), each read on demand with
-    ``read(first element, number of elements)`` → a 1-D tensor of that many elements."""
-    for box in range_boxes(tensor.shape, start, count):
+    ``read(first element, number of elements)`` → a 1-D tensor of that many elements. With ``placed`` the range
+    is one of this rank's tensor-parallel block, cut in the block and shifted to where the block sits (see [Note:
+    DCP boxes of a tensor-parallel block] in checkpoint/dcp/tensor_parallel.py)."""
+    shape, shift = (tensor.shape, (0,) * len(tensor.shape)) if placed is None else (placed.block, placed.offsets)
+    for box in range_boxes(shape, start, count):
         values = partial(_box_values, read, start + box.range_start, box.numel, box.sizes)
-        tensor.chunks.append(LazyChunk(box.offsets, box.sizes, values))
+        offsets = tuple(offset + by for offset, by in zip(box.offsets, shift, strict=True))
+        tensor.chunks.append(LazyChunk(offsets, box.sizes, values))
 
 
 def _box_values(read: Callable[[int, int], Tensor], first: int, numel: int, sizes: tuple[int, ...]) -> Tensor:
@@ -88,13 +98,14 @@ def rng_record(tensors: dict[str, Tensor], plain_json: str) -> bytes:
 
 def info_json(
     world_size: int, stage: int, precision: str, versions: dict[str, str], optimizers: list[dict[str, Any]],
-    extra: dict[str, Any],
+    extra: dict[str, Any], tensor_parallel_size: int = 1,
 ) -> str:  # fmt: skip
     return json.dumps(
         {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "world_size": world_size,
+            "tensor_parallel_size": tensor_parallel_size,  # world rank d·K + t: DP coordinate d, TP coordinate t
             "stage": stage,
             "precision": precision,
             "versions": versions,
