@@ -152,13 +152,18 @@ class Manifest:
 
     def write_atomically(self, directory: Path) -> None:
         """Write ``manifest.json`` with one rename, so readers see the old manifest or the new one, never half."""
-        tmp = directory / f".{MANIFEST_NAME}.tmp"
-        with open(tmp, "w") as handle:
-            handle.write(self.to_json())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, directory / MANIFEST_NAME)
-        fsync_directory(directory)  # the rename survives a power loss too, as the other writers' renames do
+        write_text_atomically(directory, MANIFEST_NAME, self.to_json())
+
+
+def write_text_atomically(directory: Path, name: str, text: str) -> None:
+    """``directory/name`` holds ``text`` after one rename: readers see the old file or the new one, never half."""
+    tmp = directory / f".{name}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / name)
+    fsync_directory(directory)  # the rename survives a power loss too, as the other writers' renames do
 
 
 def fsync_directory(directory: Path) -> None:

@@ -28,13 +28,12 @@ another TP size (and picks what a run reads: ``open_for_run``).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from zero_strategy.checkpoint.base.format import CheckpointError, fsync_directory
+from zero_strategy.checkpoint.base.format import CheckpointError, write_text_atomically
 from zero_strategy.checkpoint.sharded.reader import ShardedCheckpoint
 
 TP_MANIFEST_NAME = "tensor_parallel.json"
@@ -105,13 +104,7 @@ class TensorParallelManifest:
 
     def write_atomically(self, directory: Path) -> None:
         """One ``os.replace``: readers see the previous checkpoint or this one, never a mix of TP coordinates."""
-        tmp = directory / f".{TP_MANIFEST_NAME}.tmp"
-        with open(tmp, "w") as handle:
-            handle.write(self.to_json())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, directory / TP_MANIFEST_NAME)
-        fsync_directory(directory)
+        write_text_atomically(directory, TP_MANIFEST_NAME, self.to_json())
 
 
 def open_part(path: Path, coordinate: int) -> ShardedCheckpoint:
