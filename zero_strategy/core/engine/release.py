@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from zero_strategy.core.flat.access import forget_owner
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.param_values import point_at
+from zero_strategy.core.flat.param_values import meta_placeholder, point_at
 from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
 from zero_strategy.core.plan.tensor_parallel import local_part
 
@@ -56,8 +56,7 @@ def leave_sharded(flat: FlatParam) -> None:
         flat.own_shard()
     for param in flat.params:
         if not param.is_meta:
-            placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+            torch.utils.swap_tensors(param, meta_placeholder(param))
     flat.storage.detach_full()
 
 

@@ -107,7 +107,10 @@ def replay_construction(
     def on_final(final: FinalTensor, value: Tensor) -> None:
         target = next((owner[name] for name in final.names if name in owner), None)
         if target is not None:
-            target[0].write_initial_value(target[1], value)
+            flat, index = target
+            # a tensor-parallel parameter gets the whole value: this rank keeps its TP block (see [Note:
+            # tensor-parallel parameters built on the meta device] in core/init/distributed_origins.py)
+            flat.write_initial_value(index, local_block(value, flat.params[index]))
             return
         for name in final.names:  # a buffer: every rank keeps it whole (tied names and views stay one storage)
             _set_buffer(module, name, value)

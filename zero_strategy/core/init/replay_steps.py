@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from zero_strategy.core.init.attribute_tensors import AttributeTensor
 from zero_strategy.core.init.ops import DeferredInitError, RecordedOp, TensorRef
 from zero_strategy.core.init.record import Recording
+from zero_strategy.core.plan.tensor_parallel import is_distributed
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,9 @@ class Step:
 
 
 def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor, ...]:
-    """The module's meta parameters and buffers, grouped so that tied tensors share one key."""
+    """The module's meta parameters and buffers, grouped so that tied tensors share one key. A tensor-parallel
+    parameter's value is the whole tensor it was distributed from (see [Note: tensor-parallel parameters built on
+    the meta device] in distributed_origins.py)."""
     groups: dict[TensorRef, list[str]] = {}
     named: Iterator[tuple[str, Tensor]] = (
         *module.named_parameters(remove_duplicate=False),
@@ -56,6 +59,9 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     for name, tensor in named:
         if not tensor.is_meta:
             continue  # made on a real device by the build itself: it already holds its value
+        if is_distributed(tensor):
+            groups.setdefault(_distributed_origin(name, tensor, recording), []).append(name)
+            continue
         if recording.storage_id(tensor) is None:
             raise DeferredInitError(
                 f"{name} is a meta tensor that record_construction never saw being made: create the module "
@@ -66,6 +72,17 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
             )
         groups.setdefault(recording.ref(tensor), []).append(name)
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
+
+
+def _distributed_origin(name: str, tensor: Tensor, recording: Recording) -> TensorRef:
+    origin = recording.distributed.of(tensor)
+    if origin is None:
+        raise DeferredInitError(
+            f"{name} is a tensor-parallel (DTensor) parameter on the meta device that was not distributed from a "
+            f"parameter built inside the recording: build the module and apply its plan (parallelize_module) in "
+            f"the same configure_model(), or build it eagerly."
+        )
+    return origin
 
 
 def schedule_steps(recording: Recording, emissions: tuple[Emission, ...]) -> list[Step]:
