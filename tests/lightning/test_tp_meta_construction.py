@@ -6,11 +6,13 @@ tensor-parallel) exactly as one process without TP trains the same network built
 value (bit for bit the eager build's) and keeps its TP block and ZeRO range of it, never the whole model at once.
 
 The fits run one after another in one launch of four ranks that run_ranks forks and Lightning takes for ranks
-torchrun started (as tests/lightning/test_tp_trainer.py does).
+torchrun started (as tests/lightning/test_tp_trainer.py does). The same holds for a network built under
+``Trainer.init_module(empty_init=True)`` whose plan ``configure_model`` applies (zero2, zero3).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,9 @@ FITS = {
                                        full_params_after_fit=True),
     # the default after fit for a model built sharded at stage 3: it stays sharded; a save writes it
     "zero3-point_to_point": lambda: ZeroStrategy(stage=3, tensor_parallel_size=TP, collectives="point_to_point"),
+    # built under Trainer.init_module(empty_init=True), the plan applied in configure_model
+    "zero2-init_module": lambda: ZeroStrategy(stage=2, tensor_parallel_size=TP),
+    "zero3-init_module": lambda: ZeroStrategy(stage=3, tensor_parallel_size=TP, full_params_after_fit=True),
 }
 SAVED_AFTER_FIT = ("zero3-point_to_point",)
 
@@ -54,12 +59,38 @@ class BuiltInConfigureModel(ToyTPModule):
         apply_plan(self.net, self.device_mesh["tensor_parallel"])
 
 
+class InitializedAfterThePlan(BuiltInConfigureModel):
+    """Initializes a DTensor parameter after the plan distributed it: its values are no block of a recorded whole
+    tensor, so the engine must refuse it by name."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        assert self.net is not None
+        torch.nn.init.normal_(self.net.out.weight)
+
+
+def _refused(module: pl.LightningModule) -> str:
+    trainer = pl.Trainer(
+        strategy=ZeroStrategy(stage=3, tensor_parallel_size=TP), accelerator="cpu", devices=WORLD, max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(module)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _fit(name: str, save_dir: str) -> dict[str, Any]:
     trainer = pl.Trainer(
         strategy=FITS[name](), accelerator="cpu", devices=WORLD, max_steps=STEPS, gradient_clip_val=CLIP,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    module = BuiltInConfigureModel()
+    if name.endswith("init_module"):
+        with trainer.init_module(empty_init=True):
+            module: ToyTPModule = ToyTPModule(rows=ROWS_PER_RANK)  # make_model(): seed 0, then ToyNet()
+    else:
+        module = BuiltInConfigureModel()
     trainer.fit(module)
     engine = trainer.strategy._sharded.engine
     assert engine is not None and module.net is not None
@@ -73,7 +104,9 @@ def _fit(name: str, save_dir: str) -> dict[str, Any]:
 
 def fit_each(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     as_launched_rank(rank, world)
-    return {name: _fit(name, save_dir) for name in FITS}
+    results: dict[str, Any] = {name: _fit(name, save_dir) for name in FITS}
+    results["initialized_after_the_plan"] = _refused(InitializedAfterThePlan())  # last: a failed fit
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +155,11 @@ def test_no_rank_held_the_whole_model(runs: list[dict[str, Any]], name: str) -> 
     for rank, results in enumerate(runs):
         assert results[name]["built_sharded"], (name, rank)
         assert 0 < results[name]["replay_peak"] < _model_bytes() / 2, (name, rank, results[name]["replay_peak"])
+
+
+@pytest.mark.timeout(600)
+def test_a_parameter_initialized_after_the_plan_is_refused_by_name(runs: list[dict[str, Any]]) -> None:
+    for results in runs:
+        message = results["initialized_after_the_plan"]
+        assert re.search(r"out\.weight was changed after the tensor-parallel plan distributed it.*Initialize the "
+                         r"parameters before applying the plan", message), message

@@ -33,6 +33,9 @@ class DistributedOrigins:
         # with one cannot be swapped (torch.utils.swap_tensors), and the FlatParams swap parameters.
         self._origins: dict[int, tuple[Tensor, TensorRef]] = {}
 
+    def __len__(self) -> int:
+        return len(self._origins)
+
     def of(self, tensor: Tensor) -> TensorRef | None:
         """The recorded whole tensor ``tensor`` (a DTensor parameter) was distributed from, or None."""
         held = self._origins.get(id(tensor))

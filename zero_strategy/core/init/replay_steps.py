@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from zero_strategy.core.init.attribute_tensors import AttributeTensor
 from zero_strategy.core.init.ops import DeferredInitError, RecordedOp, TensorRef
 from zero_strategy.core.init.record import Recording
-from zero_strategy.core.plan.tensor_parallel import is_distributed
+from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,7 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     parameter's value is the whole tensor it was distributed from (see [Note: tensor-parallel parameters built on
     the meta device] in distributed_origins.py)."""
     groups: dict[TensorRef, list[str]] = {}
+    written: set[int] | None = None  # storages some recorded op writes, once a DTensor needs them
     named: Iterator[tuple[str, Tensor]] = (
         *module.named_parameters(remove_duplicate=False),
         *module.named_buffers(remove_duplicate=False),
@@ -60,7 +61,8 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
         if not tensor.is_meta:
             continue  # made on a real device by the build itself: it already holds its value
         if is_distributed(tensor):
-            groups.setdefault(_distributed_origin(name, tensor, recording), []).append(name)
+            written = written if written is not None else {s for op in recording.ops for s in op.writes}
+            groups.setdefault(_distributed_origin(name, tensor, recording, written), []).append(name)
             continue
         if recording.storage_id(tensor) is None:
             raise DeferredInitError(
@@ -74,13 +76,23 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
 
 
-def _distributed_origin(name: str, tensor: Tensor, recording: Recording) -> TensorRef:
+def _distributed_origin(name: str, tensor: Tensor, recording: Recording, written: set[int]) -> TensorRef:
+    """The whole tensor a DTensor parameter was distributed from; refused when there is none, or when the build
+    wrote the DTensor after distributing it (its values are then not a block of that whole tensor)."""
     origin = recording.distributed.of(tensor)
     if origin is None:
         raise DeferredInitError(
             f"{name} is a tensor-parallel (DTensor) parameter on the meta device that was not distributed from a "
             f"parameter built inside the recording: build the module and apply its plan (parallelize_module) in "
-            f"the same configure_model(), or build it eagerly."
+            f"configure_model() (or build it under Trainer.init_module(empty_init=True) and apply the plan in "
+            f"configure_model()), or build it eagerly."
+        )
+    after = {recording.storage_id(tensor), recording.storage_id(local_part(tensor))} - {origin.storage, None}
+    if after & written:
+        raise DeferredInitError(
+            f"{name} was changed after the tensor-parallel plan distributed it (an initialization of the DTensor "
+            f"parameter on the meta device): its values can only be replayed from the parameter the plan "
+            f"distributed. Initialize the parameters before applying the plan, or build the model eagerly."
         )
     return origin
 
