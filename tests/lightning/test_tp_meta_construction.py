@@ -21,8 +21,9 @@ import pytest
 import torch
 from helpers.compare import assert_state_close
 from helpers.launched import as_launched_rank
-from helpers.tp_toy import ToyNet, ToyTPModule, apply_plan, full_state, make_model, reference_states
+from helpers.tp_toy import Tokens, ToyNet, ToyTPModule, apply_plan, full_state, loss_of, make_model, reference_states
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 
 from zero_strategy import ZeroStrategy
 from zero_strategy.checkpoint.export.consolidate import consolidate
@@ -57,6 +58,13 @@ class BuiltInConfigureModel(ToyTPModule):
         torch.manual_seed(0)
         self.net = ToyNet()
         apply_plan(self.net, self.device_mesh["tensor_parallel"])
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        assert self.net is not None
+        self.log("val_loss", loss_of(self.net, batch), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Tokens(8), batch_size=self.rows)
 
 
 class InitializedAfterThePlan(BuiltInConfigureModel):
@@ -96,6 +104,9 @@ def _fit(name: str, save_dir: str) -> dict[str, Any]:
     assert engine is not None and module.net is not None
     result: dict[str, Any] = {"built_sharded": engine.built_sharded, "replay_peak": engine.replay_stats.peak_bytes}
     if name in SAVED_AFTER_FIT:  # left sharded: the module holds no values, the save writes the slices
+        # a later run on the same Trainer takes the slices back (each rank its own ranges of its TP blocks) and
+        # leaves them sharded again: the save after it writes the trained model
+        trainer.validate(module, verbose=False)
         trainer.save_checkpoint(f"{save_dir}/{name}.ckpt")
     else:
         result["state"] = full_state(module.net)

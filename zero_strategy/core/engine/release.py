@@ -79,6 +79,10 @@ class ReleasedShards:
     over the same module loads from (see [Note: releasing a model built sharded]). Only this rank's own ranges are
     there; a later engine with the same module, world and unit plan asks for exactly those."""
 
+    # its slices are of each parameter's local block (a tensor-parallel parameter's TP block), not of the global
+    # tensor a file holds (read by core/init/materialize.py's load_pretrained)
+    local_blocks = True
+
     def __init__(self, flats: Iterable[FlatParam]) -> None:
         self._pieces: dict[tuple[str, int, int], tuple[FlatParam, int]] = {}
         self._name_of: dict[int, str] = {}  # id(parameter) -> its name in the released engine

@@ -137,7 +137,9 @@ def load_pretrained(module: nn.Module, flats: Iterable[FlatParam], pretrained: P
                     continue
                 reader, source = pretrained.sources[overlap.name]
                 param = flat.params[positions[overlap.name]]
-                if is_distributed(param):  # the file holds the global tensor: this rank's TP block, then its range
+                # A file holds the global tensor: this rank's TP block of it, then its range. A released engine's
+                # slices (ReleasedShards, whose readers say `local_blocks`) are of the local blocks already.
+                if is_distributed(param) and not getattr(reader, "local_blocks", False):
                     whole = reader.read(source, 0, param.numel(), dtype=flat.shard.dtype).view(param.shape)
                     block = local_block(whole, param).reshape(-1)
                     values = block[overlap.param_start : overlap.param_start + overlap.numel]
