@@ -85,7 +85,8 @@ def _distributed_origin(name: str, tensor: Tensor, recording: Recording, written
             f"{name} is a tensor-parallel (DTensor) parameter on the meta device that was not distributed from a "
             f"parameter built inside the recording: build the module and apply its plan (parallelize_module) in "
             f"configure_model() (or build it under Trainer.init_module(empty_init=True) and apply the plan in "
-            f"configure_model()), or build it eagerly."
+            f"configure_model(); under Fabric, build it under fabric.init_module(empty_init=True) and apply the "
+            f"plan with parallelize_fn), or build it eagerly."
         )
     after = {recording.storage_id(tensor), recording.storage_id(local_part(tensor))} - {origin.storage, None}
     if after & written:
