@@ -119,7 +119,7 @@ def _recording_into(recording: Recording) -> Iterator[None]:
     try:
         with (
             profile_hook(recording),
-            noting_distributed_origins(recording.distributed, recording.recorded_ref),
+            noting_distributed_origins(recording.distributed, recording.recorded_ref, recording.last_op),
             _DefaultToMeta(),
             _RecordOps(recording),
         ):

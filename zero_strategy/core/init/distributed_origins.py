@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -25,44 +26,53 @@ from zero_strategy.core.init.ops import TensorRef
 from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
 
 
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The recorded tensor a DTensor parameter was distributed from, and the last recorded op before (None: none)."""
+
+    ref: TensorRef
+    after: object | None  # the RecordedOp; a later write of `ref`'s storage is not in the DTensor's values
+
+
 class DistributedOrigins:
     """For each DTensor parameter made from a recorded meta parameter during the build: that parameter's ref."""
 
     def __init__(self) -> None:
         # id -> (the parameter, kept so that its id is never reused; its origin). Not weak references: a tensor
         # with one cannot be swapped (torch.utils.swap_tensors), and the FlatParams swap parameters.
-        self._origins: dict[int, tuple[Tensor, TensorRef]] = {}
+        self._origins: dict[int, tuple[Tensor, Origin]] = {}
 
     def __len__(self) -> int:
         return len(self._origins)
 
-    def of(self, tensor: Tensor) -> TensorRef | None:
-        """The recorded whole tensor ``tensor`` (a DTensor parameter) was distributed from, or None."""
+    def of(self, tensor: Tensor) -> Origin | None:
+        """Where ``tensor`` (a DTensor parameter) was distributed from, or None."""
         held = self._origins.get(id(tensor))
         return held[1] if held is not None and held[0] is tensor else None
 
-    def note(self, new: Tensor, origin: TensorRef) -> None:
+    def note(self, new: Tensor, origin: Origin) -> None:
         self._origins[id(new)] = (new, origin)
 
 
 @contextmanager
 def noting_distributed_origins(
-    origins: DistributedOrigins, recorded: Callable[[Tensor], TensorRef | None]
+    origins: DistributedOrigins, recorded: Callable[[Tensor], TensorRef | None], last_op: Callable[[], object | None]
 ) -> Iterator[None]:
     """While the build runs: note the origin of every DTensor parameter that replaces a recorded meta one
-    (``recorded``: a meta tensor's ref if the recording saw its storage made, else None)."""
+    (``recorded``: a meta tensor's ref if the recording saw its storage made, else None; ``last_op``: the last op
+    recorded so far)."""
 
     def hook(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         old = module._parameters.get(name)
         if param is None or old is None or not is_distributed(param) or not local_part(param).is_meta:
             return
-        origin = origins.of(old) if is_distributed(old) else recorded(old)
-        if origin is not None and tuple(param.shape) == origin.size:  # the global shape of what was distributed
-            origins.note(param, origin)
+        earlier = origins.of(old) if is_distributed(old) else None
+        ref = earlier.ref if earlier is not None else recorded(old)
+        if ref is not None and tuple(param.shape) == ref.size:  # the global shape of what was distributed
+            origins.note(param, Origin(ref, last_op()))
 
     handle = register_module_parameter_registration_hook(hook)
     try:
         yield
     finally:
         handle.remove()
-

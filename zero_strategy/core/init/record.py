@@ -55,6 +55,9 @@ class Recording:
         """``tensor``'s ref if it is a meta tensor whose storage the recording saw, else None."""
         return self.ref(tensor) if tensor.is_meta and self.storage_id(tensor) is not None else None
 
+    def last_op(self) -> RecordedOp | None:
+        return self.ops[-1] if self.ops else None
+
     def ref(self, tensor: Tensor) -> TensorRef:
         storage = tensor.untyped_storage()
         sid = self._ids.get(storage._cdata)
