@@ -10,7 +10,7 @@ notes, for every DTensor parameter with a meta local tensor that replaces a reco
 global shape, that origin (followed through a parameter distributed twice). Replay then hands over the origin's
 whole value, bit for bit the eager build's, and the engine keeps this rank's TP block of it
 (``local_block``, core/plan/tensor_parallel.py) and, of that, its ZeRO range: every rank replays the same values, so
-no TP block is sent anywhere, and no rank keeps more than the largest single tensor of the build at once. A build
+no TP block is sent anywhere, and the replay keeps a few whole tensors at once, never the model. A build
 that writes a DTensor parameter after the plan made it, or the parameter it replaced after the distribution, is
 refused by name (replay_steps.py): the DTensor's values would then not be a block of that parameter's final value.
 """
