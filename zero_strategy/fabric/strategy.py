@@ -175,7 +175,7 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
             for optimizer in optimizers:
                 forward_zero_grad(optimizer)
             return entry, list(optimizers), scheduler
-        module = self._parallelize.apply(module, self._device_mesh, optimizers)
+        module = self._parallelized(module, optimizers)
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             entry = self._modules.setup(module, list(optimizers), values)
@@ -190,10 +190,19 @@ class ZeroFabricStrategy(ZeroFabricPrecisionChoice, ProcessPerDevice, ParallelSt
         or for evaluation and distillation. Collective."""
         if self._modules.holds(module):  # see [Note: a module set up again] in sharded_modules.py
             return self._modules.setup_again(module, [])
-        module = self._parallelize.apply(module, self._device_mesh, [])
+        module = self._parallelized(module, [])
         self._checkpoint_activations(module)
         with self._initial_values(module) as values:
             return self._modules.setup(module, [], values)
+
+    def _parallelized(self, module: nn.Module, optimizers: list[Optimizer]) -> nn.Module:
+        """The module ``parallelize_fn`` returns. One built on the meta device (``init_module(empty_init=True)``)
+        gets the plan inside its recording, continued, so that each DTensor parameter's whole value is replayed
+        (see [Note: tensor-parallel parameters built on the meta device] in core/init/distributed_origins.py)."""
+        if not any(p.is_meta for p in module.parameters()):
+            return self._parallelize.apply(module, self._device_mesh, optimizers)
+        with self._recorder.recording_on(self.root_device):
+            return self._parallelize.apply(module, self._device_mesh, optimizers)
 
     def _checkpoint_activations(self, module: nn.Module) -> None:
         """``activation_checkpointing``: wrap the selected submodules' forwards before the engine is built, as the

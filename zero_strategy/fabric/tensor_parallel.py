@@ -68,15 +68,10 @@ class Parallelize:
         return tensor_parallel_mesh(device.type, world_size, 1, even_for_one=True)
 
     def apply(self, module: nn.Module, mesh: Any, optimizers: list[Optimizer]) -> nn.Module:
-        """``fn(module, mesh)`` (``module`` itself without one), checked: a module comes back, built on a real device,
+        """``fn(module, mesh)`` (``module`` itself without one), checked: a module comes back,
         and ``optimizers`` still hold its parameters (see [Note: the parallelize_fn under Fabric])."""
         if self.fn is None:
             return module
-        if any(t.is_meta for t in module.parameters()):
-            raise NotImplementedError(
-                "ZeRO: parallelize_fn with a module built on the meta device (fabric.init_module(empty_init=True)) "
-                "is not supported yet: build the module with empty_init=False."
-            )
         result = self.fn(module, mesh)
         if not isinstance(result, nn.Module):
             raise TypeError(f"parallelize_fn must return the nn.Module it parallelized, got {type(result).__name__}")

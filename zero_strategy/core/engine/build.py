@@ -30,7 +30,7 @@ from zero_strategy.core.init.materialize import (
 )
 from zero_strategy.core.plan.flat_specs import FlatSpec, plan_flat_params
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
-from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
+from zero_strategy.core.plan.tensor_parallel import local_part
 from zero_strategy.core.plan.topology import RankLayout
 from zero_strategy.core.plan.units import choose_unit_modules, plan_units
 from zero_strategy.core.runtime.compile_check import warn_compiled_around_units
@@ -62,13 +62,6 @@ def build_parts(
         check_optimizer(optimizer, config.allow_untested_optimizer)
     _refuse_fsdp(module)
     materialize_on = check_materializable(module, initial_values)
-    if materialize_on is not None and any(is_distributed(p) for p in module.parameters()):
-        # the recording would replay torch's own distribute_tensor ops on meta DTensors: not supported yet
-        raise ValueError(
-            "ZeRO: a module built on the meta device (configure_model, init_module(empty_init=True)) with a "
-            "tensor-parallel plan is not supported yet: build the model eagerly (in __init__) and apply the plan in "
-            "configure_model, or load its weights afterwards (trainer.fit(ckpt_path=...))."
-        )
     recording = initial_values.recording if initial_values is not None else None
     # planned while the tensors are still meta: building the FlatParams gives them storage
     replay = prepare_replay(module, recording) if recording is not None and materialize_on is not None else None

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from zero_strategy.core.flat.access import forget_owner
 from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.param_values import point_at
+from zero_strategy.core.flat.param_values import meta_placeholder, point_at
 from zero_strategy.core.flat.whole import gather_whole, own_parts, param_views
 from zero_strategy.core.plan.tensor_parallel import local_part
 
@@ -56,8 +56,7 @@ def leave_sharded(flat: FlatParam) -> None:
         flat.own_shard()
     for param in flat.params:
         if not param.is_meta:
-            placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+            torch.utils.swap_tensors(param, meta_placeholder(param))
     flat.storage.detach_full()
 
 
@@ -79,6 +78,10 @@ class ReleasedShards:
     """Reads a released engine's slices by parameter name and element range: the ``WeightsReader`` a later engine
     over the same module loads from (see [Note: releasing a model built sharded]). Only this rank's own ranges are
     there; a later engine with the same module, world and unit plan asks for exactly those."""
+
+    # its slices are of each parameter's local block (a tensor-parallel parameter's TP block), not of the global
+    # tensor a file holds (read by core/init/materialize.py's load_pretrained)
+    local_blocks = True
 
     def __init__(self, flats: Iterable[FlatParam]) -> None:
         self._pieces: dict[tuple[str, int, int], tuple[FlatParam, int]] = {}

@@ -28,7 +28,7 @@ from zero_strategy.core.flat.access import mark_owner, unwrap, wrap
 from zero_strategy.core.flat.grads import GradientSlices
 from zero_strategy.core.flat.in_place_watch import InPlaceWatch
 from zero_strategy.core.flat.master import MasterPieces
-from zero_strategy.core.flat.param_values import point_at
+from zero_strategy.core.flat.param_values import point_at, real_placeholder
 from zero_strategy.core.flat.secondary import SecondaryCopy
 from zero_strategy.core.flat.storage import FlatStorage
 from zero_strategy.core.plan.flat_specs import FlatSpec
@@ -87,8 +87,7 @@ class FlatParam:
         for span, param in zip(spec.layout.spans, self.params, strict=True):
             view = full[span.offset : span.end].view(span.shape)
             if param.is_meta:  # `.data` of a meta parameter cannot point at real storage: make it real first
-                placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
-                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+                torch.utils.swap_tensors(param, real_placeholder(param, view))
             point_at(param, view)  # its own version counter (see [Note: views into one flat buffer])
             # see [Note: parameters outside forward] in access.py; a tensor-parallel parameter keeps its class (a
             # DTensor's dispatch is its class's): it is read outside forward inside gathered_parameters() only

@@ -3,6 +3,7 @@ flat buffer, for plain parameters and for the DTensors of a tensor-parallel plan
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -30,3 +31,26 @@ def as_parameter_value(param: nn.Parameter | Tensor, values: Tensor) -> Tensor:
         return DTensor.from_local(values, param.device_mesh, param.placements, shape=param.shape,
                                   stride=param.stride(), run_check=False)
     return values
+
+
+def real_placeholder(param: nn.Parameter | Tensor, view: Tensor) -> nn.Parameter:
+    """An empty parameter on ``view``'s device to swap a meta ``param`` with (``.data`` of a meta parameter cannot
+    point at real storage): a DTensor of ``param``'s mesh and placements for a tensor-parallel parameter built on
+    the meta device (see [Note: tensor-parallel parameters built on the meta device] in
+    core/init/distributed_origins.py), so that it keeps its class and the swap its slots."""
+    empty = torch.empty(0, dtype=view.dtype, device=view.device)
+    if isinstance(param, DTensor):
+        empty = DTensor.from_local(view, param.device_mesh, param.placements, shape=param.shape,
+                                   stride=param.stride(), run_check=False)
+    return nn.Parameter(empty, requires_grad=param.requires_grad)
+
+
+def meta_placeholder(param: nn.Parameter | Tensor) -> nn.Parameter:
+    """A storage-less parameter of ``param``'s shape and dtype to swap it with when its values leave the module (a
+    DTensor of the same mesh and placements for a tensor-parallel parameter, keeping its class and slots)."""
+    empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    if isinstance(param, DTensor):
+        local = torch.empty(param._local_tensor.shape, dtype=param.dtype, device="meta")
+        empty = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                   stride=param.stride(), run_check=False)
+    return nn.Parameter(empty, requires_grad=param.requires_grad)

@@ -16,6 +16,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zero_strategy.core.init.distributed_origins import noting_distributed_origins
 from zero_strategy.core.init.ops import DeferredInitError, is_random
 from zero_strategy.core.init.profile_hook import profile_hook
 from zero_strategy.core.init.record import Recording
@@ -116,7 +117,12 @@ def continue_recording(recording: Recording, where: str) -> Iterator[Recording]:
 @contextmanager
 def _recording_into(recording: Recording) -> Iterator[None]:
     try:
-        with profile_hook(recording), _DefaultToMeta(), _RecordOps(recording):
+        with (
+            profile_hook(recording),
+            noting_distributed_origins(recording.distributed, recording.recorded_ref, recording.last_op),
+            _DefaultToMeta(),
+            _RecordOps(recording),
+        ):
             yield
         recording.check_generators("detected when the build finished")
     except DeferredInitError:

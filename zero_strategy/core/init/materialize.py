@@ -107,7 +107,10 @@ def replay_construction(
     def on_final(final: FinalTensor, value: Tensor) -> None:
         target = next((owner[name] for name in final.names if name in owner), None)
         if target is not None:
-            target[0].write_initial_value(target[1], value)
+            flat, index = target
+            # a tensor-parallel parameter gets the whole value: this rank keeps its TP block (see [Note:
+            # tensor-parallel parameters built on the meta device] in core/init/distributed_origins.py)
+            flat.write_initial_value(index, local_block(value, flat.params[index]))
             return
         for name in final.names:  # a buffer: every rank keeps it whole (tied names and views stay one storage)
             _set_buffer(module, name, value)
@@ -134,7 +137,9 @@ def load_pretrained(module: nn.Module, flats: Iterable[FlatParam], pretrained: P
                     continue
                 reader, source = pretrained.sources[overlap.name]
                 param = flat.params[positions[overlap.name]]
-                if is_distributed(param):  # the file holds the global tensor: this rank's TP block, then its range
+                # A file holds the global tensor: this rank's TP block of it, then its range. A released engine's
+                # slices (ReleasedShards, whose readers say `local_blocks`) are of the local blocks already.
+                if is_distributed(param) and not getattr(reader, "local_blocks", False):
                     whole = reader.read(source, 0, param.numel(), dtype=flat.shard.dtype).view(param.shape)
                     block = local_block(whole, param).reshape(-1)
                     values = block[overlap.param_start : overlap.param_start + overlap.numel]

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zero_strategy.core.init.distributed_origins import DistributedOrigins
 from zero_strategy.core.init.generators import GeneratorStates, RestoreState
 from zero_strategy.core.init.ops import (
     DeferredInitError,
@@ -35,6 +36,9 @@ class Recording:
         self._ids: dict[int, int] = {}  # StorageImpl address -> storage id
         self._alive: list[torch.UntypedStorage] = []  # keeps meta storages alive so addresses are never reused
         self._black_box_frame: types.FrameType | None = None
+        # tensor-parallel parameters made from recorded ones (see [Note: tensor-parallel parameters built on the
+        # meta device] in distributed_origins.py)
+        self.distributed = DistributedOrigins()
 
     @property
     def made_tensors(self) -> bool:
@@ -46,6 +50,13 @@ class Recording:
     def storage_id(self, tensor: Tensor) -> int | None:
         """The recording's id of a meta tensor's storage, or None if the recording never saw it."""
         return self._ids.get(tensor.untyped_storage()._cdata)
+
+    def recorded_ref(self, tensor: Tensor) -> TensorRef | None:
+        """``tensor``'s ref if it is a meta tensor whose storage the recording saw, else None."""
+        return self.ref(tensor) if tensor.is_meta and self.storage_id(tensor) is not None else None
+
+    def last_op(self) -> RecordedOp | None:
+        return self.ops[-1] if self.ops else None
 
     def ref(self, tensor: Tensor) -> TensorRef:
         storage = tensor.untyped_storage()

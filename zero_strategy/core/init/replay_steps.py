@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from zero_strategy.core.init.attribute_tensors import AttributeTensor
 from zero_strategy.core.init.ops import DeferredInitError, RecordedOp, TensorRef
 from zero_strategy.core.init.record import Recording
+from zero_strategy.core.plan.tensor_parallel import is_distributed, local_part
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,11 @@ class Step:
 
 
 def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor, ...]:
-    """The module's meta parameters and buffers, grouped so that tied tensors share one key."""
+    """The module's meta parameters and buffers, grouped so that tied tensors share one key. A tensor-parallel
+    parameter's value is the whole tensor it was distributed from (see [Note: tensor-parallel parameters built on
+    the meta device] in distributed_origins.py)."""
     groups: dict[TensorRef, list[str]] = {}
+    writes: tuple[dict[int, int], dict[int, int]] | None = None  # see _last_writes; once a DTensor needs them
     named: Iterator[tuple[str, Tensor]] = (
         *module.named_parameters(remove_duplicate=False),
         *module.named_buffers(remove_duplicate=False),
@@ -56,6 +60,10 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
     for name, tensor in named:
         if not tensor.is_meta:
             continue  # made on a real device by the build itself: it already holds its value
+        if is_distributed(tensor):
+            writes = writes if writes is not None else _last_writes(recording)
+            groups.setdefault(_distributed_origin(name, tensor, recording, writes), []).append(name)
+            continue
         if recording.storage_id(tensor) is None:
             raise DeferredInitError(
                 f"{name} is a meta tensor that record_construction never saw being made: create the module "
@@ -66,6 +74,41 @@ def final_tensors(module: nn.Module, recording: Recording) -> tuple[FinalTensor,
             )
         groups.setdefault(recording.ref(tensor), []).append(name)
     return tuple(FinalTensor(key, tuple(names), ref) for key, (ref, names) in enumerate(groups.items()))
+
+
+def _last_writes(recording: Recording) -> tuple[dict[int, int], dict[int, int]]:
+    """storage -> index of the last op writing it; id(op) -> its index."""
+    last = {sid: index for index, op in enumerate(recording.ops) for sid in op.writes}
+    return last, {id(op): index for index, op in enumerate(recording.ops)}
+
+
+def _distributed_origin(
+    name: str, tensor: Tensor, recording: Recording, writes: tuple[dict[int, int], dict[int, int]]
+) -> TensorRef:
+    """The whole tensor a DTensor parameter was distributed from; refused when there is none, or when the build
+    wrote the DTensor, or that tensor, after the distribution (the DTensor's values are then not a block of the
+    tensor's final value)."""
+    origin = recording.distributed.of(tensor)
+    if origin is None:
+        raise DeferredInitError(
+            f"{name} is a tensor-parallel (DTensor) parameter on the meta device that was not distributed from a "
+            f"parameter built inside the recording: build the module and apply its plan (parallelize_module) in "
+            f"configure_model() (or build it under Trainer.init_module(empty_init=True) and apply the plan in "
+            f"configure_model(); under Fabric, build it under fabric.init_module(empty_init=True) and apply the "
+            f"plan with parallelize_fn), or build it eagerly."
+        )
+    written, index_of = writes
+    after = {recording.storage_id(tensor), recording.storage_id(local_part(tensor))} - {origin.ref.storage, None}
+    # the op found by identity: generator steps inserted into the ops since would shift a remembered index
+    distributed_at = index_of.get(id(origin.after), -1)
+    if any(sid in written for sid in after) or written.get(origin.ref.storage, -1) > distributed_at:
+        raise DeferredInitError(
+            f"{name} was changed after the tensor-parallel plan distributed it (an initialization of the DTensor "
+            f"parameter on the meta device, or of the parameter it replaced): its values can only be replayed from "
+            f"the parameter as the plan distributed it. Initialize the parameters before applying the plan, or "
+            f"build the model eagerly."
+        )
+    return origin.ref
 
 
 def schedule_steps(recording: Recording, emissions: tuple[Emission, ...]) -> list[Step]:
