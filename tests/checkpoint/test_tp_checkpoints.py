@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers.compare import assert_state_close
 from helpers.launched import as_launched_rank
-from helpers.tp_toy import Tokens, ToyTPModule, full_state, loss_of, make_model
+from helpers.tp_toy import PlainTPModule, ToyTPModule, full_state, reference_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors.torch import load_file
 from torch import Tensor
@@ -47,26 +47,8 @@ FAILED_SAVE_AT = 3  # a save over the step-2 checkpoint that fails on one rank (
 
 
 def reference(steps: int) -> dict[str, Tensor]:
-    """One process, no TP: AdamW on each step's global batch as the DistributedSampler deals it (a permutation of
-    the dataset seeded 0 + epoch; the data-parallel ranks together take ``GLOBAL_ROWS`` consecutive positions)."""
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dataset, per_epoch = Tokens(SAMPLES), SAMPLES // GLOBAL_ROWS
-    for step in range(steps):
-        epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
-        rows = [dataset[order[within * GLOBAL_ROWS + j]] for j in range(GLOBAL_ROWS)]
-        loss_of(model, (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
-
-
-class PlainModule(ToyTPModule):
-    """The same module without a tensor-parallel plan (for runs without tensor parallelism)."""
-
-    def configure_model(self) -> None:
-        pass
+    """One process, no TP, the same steps on each step's global batch (tests/helpers/tp_toy.py)."""
+    return reference_states(steps, GLOBAL_ROWS, samples=SAMPLES)
 
 
 class FailOneSave(Callback):
@@ -128,7 +110,7 @@ def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)  # without tensor parallelism (DP 4), for a TP run to resume from
     saves = ModelCheckpoint(dirpath=root / "no_tp", filename="step={step}", auto_insert_metric_name=False,
                             every_n_train_steps=SAVED_AT, save_top_k=-1)
-    plain = PlainModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
+    plain = PlainTPModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
     _trainer(_strategy(3, "auto", 1), world, [saves]).fit(plain)
     results["no_tp"] = {"final": {k: v.detach().clone() for k, v in plain.net.state_dict().items()}}
     return results
@@ -150,7 +132,7 @@ def resumed_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
         module = ToyTPModule(rows=GLOBAL_ROWS // dp, samples=SAMPLES)
         results[name] = full_state(_resume(module, _strategy(stage, collectives), world, root, name).net)
     if world == 2:  # no tensor parallelism: DP 2 over whole tensors; and TP 2 from a checkpoint saved without it
-        plain = PlainModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
+        plain = PlainTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
         results["no_tp"] = full_state(_resume(plain, _strategy(3, "auto", 1), world, root, "zero3").net)
         module = ToyTPModule(rows=GLOBAL_ROWS, samples=SAMPLES)
         results["from_no_tp"] = full_state(_resume(module, _strategy(3, "auto"), world, root, "no_tp").net)
@@ -223,7 +205,7 @@ def test_resume_at_another_tensor_parallel_size_is_exact(
 def test_a_checkpoint_of_another_model_is_refused_by_name(saved: tuple[Path, dict[str, Any]]) -> None:
     """Read as another TP size's blocks, a whole tensor of another shape is named (the same TP size goes through
     check_compatible, as every checkpoint does)."""
-    module = PlainModule()
+    module = PlainTPModule()
     module.net.emb = torch.nn.Embedding(33, 16)
     with pytest.raises(CheckpointError, match=r"net\.emb\.weight has shape \[32, 16\], the model's whole tensor "
                                               r"\[33, 16\]"):
@@ -331,6 +313,6 @@ def test_zero_to_fp32_hf_writes_the_whole_model(saved: tuple[Path, dict[str, Any
 def test_pretrained_weights_from_a_tensor_parallel_checkpoint(saved: tuple[Path, dict[str, Any]]) -> None:
     """``pretrained=`` reads a tensor-parallel checkpoint as whole tensors (here into an ordinary module)."""
     root, results = saved
-    module = PlainModule()
+    module = PlainTPModule()
     load_pretrained_into_module(module, root / "zero1" / "last.ckpt")
     assert_state_close(module.net.state_dict(), results["zero1"]["final"], rel=0.0, what="pretrained")

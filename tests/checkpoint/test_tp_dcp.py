@@ -20,7 +20,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers.compare import assert_state_close
 from helpers.launched import as_launched_rank
-from helpers.tp_toy import Tokens, ToyTPModule, apply_plan, full_state, loss_of, make_model
+from helpers.tp_toy import (
+    PlainTPModule,
+    ToyTPModule,
+    apply_plan,
+    full_state,
+    make_model,
+    reference_states,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
@@ -41,26 +48,8 @@ CONFIGS = {"zero1": (1, "auto"), "zero2": (2, "auto"), "zero3": (3, "auto"), "ze
 
 
 def reference(steps: int) -> dict[str, Tensor]:
-    """One process, no TP (as in test_tp_checkpoints.py): AdamW on each step's global batch as the
-    DistributedSampler deals it (a permutation of the dataset seeded 0 + epoch)."""
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dataset, per_epoch = Tokens(SAMPLES), SAMPLES // GLOBAL_ROWS
-    for step in range(steps):
-        epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
-        rows = [dataset[order[within * GLOBAL_ROWS + j]] for j in range(GLOBAL_ROWS)]
-        loss_of(model, (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
-
-
-class PlainModule(ToyTPModule):
-    """The same module without a tensor-parallel plan (a run without tensor parallelism)."""
-
-    def configure_model(self) -> None:
-        pass
+    """One process, no TP, the same steps on each step's global batch (tests/helpers/tp_toy.py)."""
+    return reference_states(steps, GLOBAL_ROWS, samples=SAMPLES)
 
 
 class FailOneSave(pl.Callback):
@@ -134,7 +123,7 @@ def first_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)  # without tensor parallelism (DP 4), for a TP run to resume from
     saves = ModelCheckpoint(dirpath=root / "no_tp", filename="step={step}", auto_insert_metric_name=False,
                             every_n_train_steps=SAVED_AT, save_top_k=-1)
-    plain = PlainModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
+    plain = PlainTPModule(rows=GLOBAL_ROWS // 4, samples=SAMPLES)
     _trainer(_strategy(3, "auto", 1), world, [saves]).fit(plain)
     results["no_tp"] = {key: value.detach().clone() for key, value in plain.net.state_dict().items()}
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -163,7 +152,7 @@ def resumed_fits(rank: int, world: int, root: Path) -> dict[str, Any]:
         module = ToyTPModule(rows=GLOBAL_ROWS // dp, samples=SAMPLES)
         results[name] = full_state(_resume(module, _strategy(stage, collectives), world, root, name).net)
     if world == 2:
-        plain = PlainModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
+        plain = PlainTPModule(rows=GLOBAL_ROWS // 2, samples=SAMPLES)
         results["no_tp"] = full_state(_resume(plain, _strategy(3, "auto", 1), world, root, "zero3").net)
         module = ToyTPModule(rows=GLOBAL_ROWS, samples=SAMPLES)
         results["from_no_tp"] = full_state(_resume(module, _strategy(3, "auto"), world, root, "no_tp").net)

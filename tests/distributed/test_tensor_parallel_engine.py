@@ -70,7 +70,7 @@ def _reference() -> tuple[float, float, dict[str, float]]:
     loss_of(model, global_batch(0, ROWS * WORLD // TP)).backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     total = torch.stack([g.double().pow(2).sum() for g in grads.values()]).sum().sqrt().item()
-    largest = max(g.abs().max().item() for g in grads.values())
+    largest = torch.stack([g.abs().max() for g in grads.values()]).max().item()  # NaN propagates
     return total, largest, {name: g.double().norm().item() for name, g in grads.items()}
 
 

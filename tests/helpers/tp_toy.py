@@ -99,30 +99,34 @@ class Tokens(Dataset):
 
 def global_batch(step: int, rows: int, samples: int = 64) -> tuple[Tensor, Tensor]:
     """Step ``step``'s global batch when the data-parallel ranks together take ``rows`` samples per step of
-    ``Tokens(samples)`` in the first epoch: Lightning's DistributedSampler for training shuffles (seed 0: a
-    permutation of the dataset), and rank ``d`` of ``dp`` takes every ``dp``-th index from ``d``, so step ``s``
-    covers positions ``s*rows .. s*rows+rows-1`` of the permutation (the mean loss does not depend on which rank
-    took which)."""
-    order = torch.randperm(samples, generator=torch.Generator().manual_seed(0)).tolist()
+    ``Tokens(samples)``: Lightning's DistributedSampler for training shuffles (each epoch a permutation of the
+    dataset, seeded 0 + epoch), and rank ``d`` of ``dp`` takes every ``dp``-th index from ``d``, so step ``s`` of an
+    epoch covers positions ``s*rows .. s*rows+rows-1`` of that epoch's permutation (the mean loss does not depend on
+    which rank took which)."""
+    epoch, within = divmod(step, samples // rows)
+    order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch)).tolist()
     dataset = Tokens(samples)
-    samples = [dataset[order[step * rows + j]] for j in range(rows)]
-    return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    picked = [dataset[order[within * rows + j]] for j in range(rows)]
+    return torch.stack([s[0] for s in picked]), torch.stack([s[1] for s in picked])
 
 
-def reference_states(steps: int, rows: int, lr: float = 1e-2, clip: float | None = None) -> dict[str, Tensor]:
-    """One process, no TP: ``steps`` AdamW steps on the global batches of ``rows`` samples (:func:`global_batch`)."""
-    return reference_run(steps, rows, lr, clip)[0]
+def reference_states(
+    steps: int, rows: int, lr: float = 1e-2, clip: float | None = None, samples: int = 64
+) -> dict[str, Tensor]:
+    """One process, no TP: ``steps`` AdamW steps on the global batches of ``rows`` samples of ``Tokens(samples)``
+    (:func:`global_batch`)."""
+    return reference_run(steps, rows, lr, clip, samples)[0]
 
 
 def reference_run(
-    steps: int, rows: int, lr: float = 1e-2, clip: float | None = None
+    steps: int, rows: int, lr: float = 1e-2, clip: float | None = None, samples: int = 64
 ) -> tuple[dict[str, Tensor], list[float]]:
     """:func:`reference_states` and the loss of every step."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        loss = loss_of(model, global_batch(step, rows))
+        loss = loss_of(model, global_batch(step, rows, samples))
         losses.append(float(loss.detach()))
         loss.backward()
         if clip is not None:
@@ -166,3 +170,10 @@ class ToyTPModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Tokens(self.samples), batch_size=self.rows, shuffle=False)
+
+
+class PlainTPModule(ToyTPModule):
+    """The same module without a tensor-parallel plan (a run without tensor parallelism)."""
+
+    def configure_model(self) -> None:
+        pass
