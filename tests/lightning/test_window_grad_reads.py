@@ -2,8 +2,9 @@
 rank's own sum: ``keep_window_gradients=True`` gives DDP's values in ``training_step``; the default (auto) gives them
 in the module's and a user callback's ``on_train_batch_end``; ``False`` makes a read raise ``GradientReadError``
 naming the option. Lightning's DDP runs in the same launch; stage 3 on one host's shared memory and on
-``collectives="point_to_point"``. The hold decision itself (who pays DDP's memory) is tested in one process: a
-module that reads nothing, with Lightning's own callbacks, keeps ZeRO's memory and traffic.
+``collectives="point_to_point"``. A module that reads nothing, with a Lightning callback overriding
+``on_train_batch_end``, keeps ZeRO's traffic (a reduction per micro-batch); the hold decision itself (who pays
+DDP's memory) is tested in one process too.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Records(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+    def on_train_end(self) -> None:
+        report = getattr(self.trainer.strategy, "communication_report", None)
+        self.reduce_scattered = report()["reduce_scatter"] if report is not None else None
+
 
 class ReadsInTrainingStep(Records):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -94,11 +99,13 @@ class MyCheckpoint(ModelCheckpoint):
 
 
 def _fit(module: Records, strategy: Any, world: int, callbacks: list[pl.Callback]) -> dict[str, Any]:
+    bar = any(isinstance(callback, TQDMProgressBar) for callback in callbacks)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, enable_progress_bar=bar, enable_model_summary=False,
                          limit_train_batches=BATCHES, accumulate_grad_batches=2, callbacks=callbacks)
     trainer.fit(module, loader(4 * BATCHES * world, 21))
-    return {"seen": module.seen, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    return {"seen": module.seen, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "reduce_scattered": module.reduce_scattered}
 
 
 def fit_each(rank: int, world: int) -> dict:
@@ -110,6 +117,8 @@ def fit_each(rank: int, world: int) -> dict:
         out[(name, "keep")] = _fit(ReadsInTrainingStep(), make(keep_window_gradients=True), world, [])
         pl.seed_everything(0, verbose=False)
         out[(name, "auto")] = _fit(ReadsAfterBatch(), make(), world, [LogsGradients()])
+        pl.seed_everything(0, verbose=False)  # reads nothing, with a Lightning callback overriding the hook
+        out[(name, "quiet")] = _fit(Records(), make(), world, [TQDMProgressBar()])
         pl.seed_everything(0, verbose=False)
         try:
             _fit(ReadsAfterBackward(), make(keep_window_gradients=False), world, [])
@@ -153,6 +162,20 @@ def test_reads_inside_a_window_give_ddp_values(runs: list[dict], strategy: str) 
                                what=f"rank {rank}, {strategy}, {which}, final weights")
     own = [result["ddp"]["seen"]["training_step"][0]["net.emb.weight"] for result in runs]
     assert not torch.allclose(own[0], own[1]), "the ranks' own sums are equal: the test cannot tell them from DDP's"
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_module_that_reads_nothing_keeps_zeros_traffic(runs: list[dict], strategy: str) -> None:
+    """Reduce-scattered bytes: one reduction per micro-batch where nothing reads (ZeRO's memory: the window's
+    gradients are not held), one per window where the window is held (DDP's memory, half the traffic here)."""
+    psi = sum(p.numel() for p in TiedLM(n_blocks=2).parameters())
+    for rank, result in enumerate(runs):
+        quiet, keep = result[(strategy, "quiet")], result[(strategy, "keep")]
+        assert_state_close(quiet["weights"], result["ddp"]["weights"], rel=1e-5, what=f"rank {rank}, {strategy}")
+        expected = BATCHES * 4 * psi  # fp32, every micro-batch; padding adds a few elements per unit
+        assert expected <= quiet["reduce_scattered"] <= expected * 1.05, (rank, quiet["reduce_scattered"], expected)
+        assert quiet["reduce_scattered"] == 2 * keep["reduce_scattered"], (rank, quiet, keep)
 
 
 @pytest.mark.timeout(1000)
