@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from examples.run_summary import MeasureRun
 from zero_strategy import ZeroStrategy
 from zero_strategy.config import ZeroConfig, ZeroConfigError
 from zero_strategy.lightning.gradient_hooks import holds_window_gradients, overrides_gradient_hooks
@@ -204,6 +205,7 @@ def test_who_holds_a_windows_gradients() -> None:
     assert all(is_overridden("on_train_batch_end", callback, pl.Callback) for callback in builtin)
     assert not _decides(Records(), builtin)
     assert not _decides(Records(), [MyCheckpoint()])  # inherits Lightning's hook: known not to read
+    assert not _decides(Records(), [MeasureRun(".")])  # the example's own timing callback measures ZeRO's memory
     assert _decides(Records(), builtin, keep=True) and not _decides(ReadsAfterBatch(), builtin, keep=False)
     assert _decides(ReadsAfterBatch(), builtin)
     assert _decides(Records(), [*builtin, LogsGradients()])
