@@ -25,16 +25,22 @@ class MeasureRun(Callback):
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self._last = 0.0
+        self._last: float | None = None
         self.step_seconds: list[float] = []
 
+    # A batch is timed from its start to the next one's (the epoch's last to the epoch's end), not to
+    # on_train_batch_end: a callback overriding that hook makes stages 2/3 keep an accumulation window's gradients
+    # (ZeroConfig.keep_window_gradients), and this run measures ZeRO's memory.
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._last = time.perf_counter()
+        now = time.perf_counter()
+        if self._last is not None:
+            self.step_seconds.append(now - self._last)
+        self._last = now
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.step_seconds.append(time.perf_counter() - self._last)
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._last is not None:
+            self.step_seconds.append(time.perf_counter() - self._last)
+        self._last = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         report = trainer.strategy.memory_report() if hasattr(trainer.strategy, "memory_report") else None

@@ -147,6 +147,16 @@ class ZeroConfig:
     (save with ``trainer.save_checkpoint``); None (auto) gathers unless the model was built sharded at stage 3,
     where the gather would put the whole model on every rank at once."""
 
+    keep_window_gradients: bool | None = None
+    """The Trainer, stages 2/3, ``accumulate_grad_batches > 1`` on several processes: whether an accumulation window
+    keeps its gradients on the module until its last backward (DDP's memory of full gradients, one reduction per
+    window), so that ``p.grad`` read inside the window is DDP's value (this rank's own sum); without the hold they
+    are reduced after each backward (ZeRO's memory) and such a read raises ``GradientReadError``. None (auto): held
+    when the LightningModule or a callback overrides ``on_after_backward``, or the LightningModule or a callback
+    not defined in ``lightning``/``zero_strategy`` overrides ``on_train_batch_end``. True: every window (reads
+    anywhere in it, ``training_step`` too). False: never. Stage 1 keeps gradients until the step anyway, and
+    Fabric's ``no_backward_sync`` always holds: the option is the Trainer's."""
+
     activation_checkpointing: list[str] = field(default_factory=list)
     """Class names of modules whose forward is recomputed in backward instead of keeping its activations
     (non-reentrant torch checkpointing). ZeroStrategy also accepts classes or a policy callable."""
@@ -245,6 +255,9 @@ class ZeroConfig:
                 f"shard_group_size={size!r}: use a positive number of ranks that divides the world size, 'node' "
                 "(the ranks of one node) or None (the whole world)."
             )
+        if self.keep_window_gradients is not None and not isinstance(self.keep_window_gradients, bool):
+            raise ZeroConfigError(f"keep_window_gradients={self.keep_window_gradients!r}: use True (hold every "
+                                  "accumulation window's gradients), False (never) or None (auto).")
         self._validate_hierarchical()
         self._validate_tensor_parallel()
         if self.process_group_timeout_s <= 0:

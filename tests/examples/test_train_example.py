@@ -142,6 +142,7 @@ def test_every_strategy_choice_composes_and_validates(stage: int, suffix: str) -
         ("precision.loss_scale_window=0", "precision.loss_scale_window"),  # refused by ZeroPrecision
         ("precision.precision=64-true", "precision"),  # not a ZeRO precision
         ("strategy.offload_optimizer=tape", "strategy.offload_optimizer"),  # not an OffloadDevice
+        ("strategy.keep_window_gradients=maybe", "strategy.keep_window_gradients"),  # not a bool
         ("strategy=deepspeed", "strategy.config"),  # the DeepSpeed entry needs its config file
     ],
 )
@@ -172,6 +173,14 @@ def test_hierarchical_params_override_reaches_the_strategy() -> None:
     assert strategy.config.hierarchical_params == "node"
     with pytest.raises(SystemExit, match="strategy: hierarchical_params needs stage=3"):
         check_strategy(compose_config(["strategy=zero2", "strategy.hierarchical_params=node"]).strategy)
+
+
+@pytest.mark.timeout(30)
+def test_keep_window_gradients_override_reaches_the_strategy() -> None:
+    cfg = compose_config(["strategy=zero2", "strategy.keep_window_gradients=true"])
+    name, zero_config = check_strategy(cfg.strategy)
+    assert build_strategy(name, zero_config, cfg, build_precision(cfg)).config.keep_window_gradients is True
+    assert compose_config(["strategy=zero3"]).strategy.keep_window_gradients is None  # auto by default
 
 
 @pytest.mark.timeout(30)

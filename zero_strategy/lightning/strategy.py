@@ -51,7 +51,7 @@ from zero_strategy.deepspeed_import import DeepSpeedImport, parse_deepspeed_conf
 from zero_strategy.initial_values import initial_values, take_back_released
 from zero_strategy.lightning.checkpoint_hooks import ShardedCheckpointHooks
 from zero_strategy.lightning.deepspeed_bridge import apply_clipping, check_batch
-from zero_strategy.lightning.gradient_hooks import reads_gradients_mid_window
+from zero_strategy.lightning.gradient_hooks import holds_window_gradients
 from zero_strategy.lightning.precision import ZeroPrecision
 from zero_strategy.lightning.precision_selection import ZeroPrecisionChoice
 from zero_strategy.lightning.preemption import install_preemption_saver
@@ -291,9 +291,9 @@ class ZeroStrategy(ZeroPrecisionChoice, ProcessPerDevice, ShardedCheckpointHooks
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """An accumulation window's micro-batches before its last: stages 2/3 keep their gradients on the module
-        only when user code reads them in ``on_after_backward`` (see lightning/gradient_hooks.py)."""
+        as ``keep_window_gradients`` decides (auto: where user code may read them, see lightning/gradient_hooks.py)."""
         module = self.lightning_module
-        hold = module is not None and reads_gradients_mid_window(module)
+        hold = module is not None and holds_window_gradients(module, self.config.keep_window_gradients)
         with self.engine.accumulation_window(hold=hold):
             yield
 

@@ -11,13 +11,15 @@ this rank's own sum. A read is answered instead of torch's attribute:
 - after a backward inside an accumulation window (Fabric's ``no_backward_sync``; Lightning's micro-batches before
   the last): this rank's own sum, where torch or the fp32 stash keep it (no exchange; with slices already reduced
   earlier, those are gathered and added, as DDP's ``p.grad`` holds the earlier average plus the own sum). Stage 1
-  keeps every gradient on the module until the step; stages 2/3 keep them there only under a hold: Fabric's
-  ``no_backward_sync`` always, Lightning's window when the module or a callback overrides ``on_after_backward``
-  (lightning/gradient_hooks.py: code that reads there pays DDP's memory of full gradients during the window, other
-  code keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already raises
-  :class:`GradientReadError` naming the remedies: no value it could return is DDP's (the slices hold the average
-  over the ranks; this rank's own sum is gone unless it was kept, which is the memory stages 2/3 save, so paying
-  only when read is impossible). On one rank the average is the own sum: the slices answer.
+  keeps every gradient on the module until the step; stages 2/3 keep them there only under a hold, decided before
+  the window's first backward: Fabric's ``no_backward_sync`` always; Lightning's window as the option
+  ``keep_window_gradients`` says: True every window, False never, None (auto) when the module or a callback
+  overrides ``on_after_backward``, or the module or a callback not of Lightning or this package overrides
+  ``on_train_batch_end`` (lightning/gradient_hooks.py: code that may read there pays DDP's memory of full gradients
+  during the window, other code keeps ZeRO's). A read inside a window whose gradients stages 2/3 reduced already
+  raises :class:`GradientReadError` naming the remedies: no value it could return is DDP's (the slices hold the
+  average over the ranks; this rank's own sum is gone unless it was kept, which is the memory stages 2/3 save, so
+  paying only when read is impossible). On one rank the average is the own sum: the slices answer.
 - otherwise the averaged gradient, in the masters' dtype (fp32 under mixed precision, where DDP's parameters and
   gradients are fp32 too; the parameters' own dtype where the module itself is bf16/fp16, as DDP's gradient is):
   the first read after the gradients changed reduces whatever is still pending (stage 1) and gathers every
@@ -60,6 +62,14 @@ from zero_strategy.core.flat.exact_writes import replays_writes
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import unwatch, watch
 from zero_strategy.core.flat.whole import gather_whole
+
+# the remedy both errors name (only the Trainer's windows reduce early: Fabric's no_backward_sync always holds)
+_KEEP_THEM = (
+    "Keep the window's gradients on the module (DDP's memory until the window's last backward) with the strategy "
+    "option keep_window_gradients=True (ZeroStrategy(keep_window_gradients=True); Hydra: "
+    "strategy.keep_window_gradients=true), or with it None (auto) by overriding on_after_backward or "
+    "on_train_batch_end in the LightningModule or a callback"
+)
 
 
 class GradientReadError(RuntimeError):
@@ -160,10 +170,8 @@ class DdpGradients:
         if self.last_backward_reduced_early:
             raise GradientReadError(
                 f"ZeRO: {flat.names[index]}.grad was read inside a gradient accumulation window, where DDP's holds "
-                "this rank's own sum; stages 2/3 reduced it already. Under the Trainer the window's gradients stay on "
-                "the module (as DDP keeps them) when the LightningModule or a callback overrides on_after_backward; "
-                "under Fabric inside no_backward_sync. Or read it at the window's end (on_before_optimizer_step), "
-                "or use zero1, which keeps them until the step."
+                f"this rank's own sum; stages 2/3 reduced it already. {_KEEP_THEM}, read it at the window's end "
+                "(on_before_optimizer_step), or use zero1, which keeps them until the step."
             )
         if self.last_backward_held:
             own = grads.pending_sum(index)
@@ -190,8 +198,7 @@ class DdpGradients:
         if self.last_backward_reduced_early:
             raise GradientReadError(
                 f"ZeRO: {name}.grad was assigned inside a gradient accumulation window, where DDP's holds this rank's "
-                "own sum; stages 2/3 reduced it already. Keep the window's gradients on the module (override "
-                "on_after_backward under the Trainer; Fabric's no_backward_sync), assign at the window's end "
+                f"own sum; stages 2/3 reduced it already. {_KEEP_THEM}, assign at the window's end "
                 "(on_before_optimizer_step), or use zero1."
             )
         self.take_edits_of(flat)  # edits made to a returned gradient before the assignment go in first
