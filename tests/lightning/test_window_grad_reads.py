@@ -1,5 +1,6 @@
 """``p.grad`` inside an accumulation window under the Trainer at zero2/zero3 on 2 processes, where DDP's holds each
-rank's own sum: ``keep_window_gradients=True`` gives DDP's values in ``training_step``; the default (auto) gives them
+rank's own sum: ``keep_window_gradients=True`` gives DDP's values in ``training_step`` (zero1 too, without the
+option; at a window's first micro-batch DDP's is the previous step's average); the default (auto) gives them
 in the module's and a user callback's ``on_train_batch_end``; ``False`` makes a read raise ``GradientReadError``
 naming the option. Lightning's DDP runs in the same launch; stage 3 on one host's shared memory and on
 ``collectives="point_to_point"``. A module that reads nothing, with a Lightning callback overriding
@@ -61,11 +62,9 @@ class Records(pl.LightningModule):
 
 class ReadsInTrainingStep(Records):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        # the window's second micro-batch: what its first backward left (DDP: this rank's own sum). Not its first
-        # (the previous step's average under DDP until zero_grad): ZeRO's p.grad there is None, at every stage and
-        # without accumulation too (training_step runs inside the forward ZeRO answers no read in)
-        if batch_idx % 2 == 1:
-            self.seen["training_step"].append(_grads(self))
+        # a window's second micro-batch: what its first backward left (DDP: this rank's own sum); its first: the
+        # previous step's average (Lightning zeroes the gradients after training_step), None before the first step
+        self.seen["training_step"].append(_grads(self))
         return super().training_step(batch, batch_idx)
 
 
@@ -113,6 +112,8 @@ def fit_each(rank: int, world: int) -> dict:
     as_launched_rank(rank, world)
     pl.seed_everything(0, verbose=False)
     out: dict = {"ddp": _fit(ReadsEverywhere(), "ddp", world, [LogsGradients()])}
+    pl.seed_everything(0, verbose=False)  # stage 1 keeps a window's gradients anyway: reads need no option
+    out[("zero1", "keep")] = _fit(ReadsInTrainingStep(), ZeroStrategy(stage=1), world, [])
     for name, make in STRATEGIES.items():
         pl.seed_everything(0, verbose=False)
         out[(name, "keep")] = _fit(ReadsInTrainingStep(), make(keep_window_gradients=True), world, [])
@@ -151,18 +152,34 @@ def test_reads_inside_a_window_give_ddp_values(runs: list[dict], strategy: str) 
         ddp = result["ddp"]["seen"]
         # what the comparison needs was recorded: this rank's own sum (which differs between the ranks) inside
         # each window, and after every batch (inside the window and after its step)
-        assert len(ddp["training_step"]) == BATCHES // 2
-        assert all(v is not None for record in ddp["training_step"] for v in record.values())
+        assert len(ddp["training_step"]) == BATCHES
+        assert all(v is None for v in ddp["training_step"][0].values())  # before the first backward
+        assert all(v is not None for record in ddp["training_step"][1:] for v in record.values())
         assert len(ddp["batch_end"]) == len(ddp["callback"]) == BATCHES
         keep, auto = result[(strategy, "keep")], result[(strategy, "auto")]
-        _assert_records(keep["seen"]["training_step"], ddp["training_step"], f"rank {rank}, {strategy}, True")
+        # stage 3 in training_step before the model computes: the entry gathered the root unit, whose parameters
+        # read torch's attribute there (docs/known-limits.md): compared inside the windows only
+        every = 1 if strategy == "zero2" else 2
+        _assert_records(keep["seen"]["training_step"][1::every], ddp["training_step"][1::every],
+                        f"rank {rank}, {strategy}, True")
         _assert_records(auto["seen"]["batch_end"], ddp["batch_end"], f"rank {rank}, {strategy}, auto, module")
         _assert_records(auto["seen"]["callback"], ddp["callback"], f"rank {rank}, {strategy}, auto, callback")
         for which, run in (("True", keep), ("auto", auto)):
             assert_state_close(run["weights"], result["ddp"]["weights"], rel=1e-5,
                                what=f"rank {rank}, {strategy}, {which}, final weights")
-    own = [result["ddp"]["seen"]["training_step"][0]["net.emb.weight"] for result in runs]
+    own = [result["ddp"]["seen"]["training_step"][1]["net.emb.weight"] for result in runs]
     assert not torch.allclose(own[0], own[1]), "the ranks' own sums are equal: the test cannot tell them from DDP's"
+
+
+@pytest.mark.timeout(1000)
+def test_reads_in_training_step_at_stage_1_give_ddp_values(runs: list[dict]) -> None:
+    """Before the model computes in training_step: the previous step's average, and inside a window this rank's
+    own sum (see [Note: reads until the model computes] in core/engine/first_use.py)."""
+    for rank, result in enumerate(runs):
+        _assert_records(result[("zero1", "keep")]["seen"]["training_step"], result["ddp"]["seen"]["training_step"],
+                        f"rank {rank}, zero1")
+        assert_state_close(result[("zero1", "keep")]["weights"], result["ddp"]["weights"], rel=1e-5,
+                           what=f"rank {rank}, zero1, final weights")
 
 
 @pytest.mark.timeout(1000)

@@ -43,9 +43,10 @@ rank assigns, as every DDP replica does; no exchange is made.
 
 Where reads are seen: a stage-3 parameter has its sharded class outside forward (core/flat/access.py); stages 1/2
 give their parameters a class that sees ``.grad`` reads from the end of each backward to the next forward
-(core/flat/grad_reads.py), so forward itself never pays. Cost: nothing for a module that reads no gradient; for
-one that does, at each step where it reads, one all-gather of the fp32 gradients (4 bytes per parameter, received
-(N-1)/N of it) and their memory until the step starts.
+(core/flat/grad_reads.py; under the Trainer to the first forward of a module inside ``training_step``, see [Note:
+reads until the model computes] in first_use.py), so forward itself never pays. Cost: nothing for a module that
+reads no gradient; for one that does, at each step where it reads, one all-gather of the fp32 gradients (4 bytes
+per parameter, received (N-1)/N of it) and their memory until the step starts.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from zero_strategy.core.engine.first_use import ReadsUntilFirstUse
 from zero_strategy.core.flat.exact_writes import replays_writes
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.grad_reads import unwatch, watch
@@ -89,10 +91,12 @@ class DdpGradients:
     """The engine's answer to reads of ``p.grad`` (see [Note: p.grad as under DDP])."""
 
     def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None], reduces_every_microstep: bool,
-                 single_rank: bool = False) -> None:
+                 single_rank: bool = False, entered_elsewhere: nn.Module | None = None) -> None:
         """``reduce_all``: bring every optimizer's pending gradients onto its slices without ending any step's
         accumulation (collective). ``reduces_every_microstep``: stages 2/3. ``single_rank``: the run has one rank,
-        whose slices reduced inside a window hold its own sum (DDP's value there)."""
+        whose slices reduced inside a window hold its own sum (DDP's value there). ``entered_elsewhere``: the
+        module, where an adapter's wrapper is the step's entry (the Trainer's: ``training_step`` runs inside);
+        reads then run on to the model's first computation (see [Note: reads until the model computes])."""
         self.flats = flats
         self.reduce_all = reduce_all
         self.reduces_every_microstep = reduces_every_microstep
@@ -108,6 +112,12 @@ class DdpGradients:
         self._replays_watched = bool(self._replaying)
         if self._replays_watched:
             watch(self._replaying, only_replaying=True)
+        self._first_use: ReadsUntilFirstUse | None = None
+        # stages 1/2 (stage 3's parameters answer reads outside their unit's forward anyway)
+        if entered_elsewhere is not None and any(flat.keeps_full for flat in flats) and \
+                ReadsUntilFirstUse.applies(entered_elsewhere):
+            params = {id(param) for flat in flats for param in flat.params}
+            self._first_use = ReadsUntilFirstUse(entered_elsewhere, params, self.before_forward)
         reader = weakref.WeakMethod(self.read)
         edits = weakref.WeakMethod(self.take_edits_of)
         for flat in flats:
@@ -128,6 +138,11 @@ class DdpGradients:
             watch(self.flats)
             self._watched = True
 
+    def at_step_entry(self) -> None:
+        """A step's forward entered: reads end here, or at the model's first computation when deferred."""
+        if self._first_use is None:
+            self.before_forward()
+
     def before_forward(self) -> None:
         """Forward computes with the parameters' own class (nothing in forward pays for reads)."""
         if self._watched or self._replays_watched:
@@ -143,6 +158,8 @@ class DdpGradients:
 
     def close(self) -> None:
         """The engine lets the module go: parameters take their own class back, nothing is kept."""
+        if self._first_use is not None:
+            self._first_use.remove()
         self.before_forward()
         self._replays_watched = False
         self._copies.clear()

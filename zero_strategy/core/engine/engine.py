@@ -132,7 +132,8 @@ class ZeroEngine:
         order = ReductionOrder(self.units, self.comms.everyone)
         # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
         self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending,
-                                           self.stage.reduces_every_microstep, self.comms.everyone.size == 1)
+                                           self.stage.reduces_every_microstep, self.comms.everyone.size == 1,
+                                           entered_elsewhere=module if entry_module not in (None, module) else None)
         self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
                                   self._before_root_forward, order, self.gradient_reads.after_backward,
@@ -191,7 +192,7 @@ class ZeroEngine:
             self.windows.reduce(index, advance=False)
 
     def _before_root_forward(self) -> None:
-        self.gradient_reads.before_forward()
+        self.gradient_reads.at_step_entry()
         if self.config.broadcast_buffers and self.comms.everyone.size > 1 and self.module.training:
             if torch.is_grad_enabled():
                 self._sync_buffers()
