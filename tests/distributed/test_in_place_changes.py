@@ -29,6 +29,8 @@ from zero_strategy.core.engine.engine import ZeroEngine
 from zero_strategy.core.flat.errors import ShardedParameterError
 from zero_strategy.core.flat.whole import gather_whole, param_views
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.runtime.activation_checkpointing import apply_activation_checkpointing, make_policy
+from zero_strategy.core.runtime.hooks import in_backward
 from zero_strategy.testing import run_ranks
 
 CHANGED = ("blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias")
@@ -220,9 +222,16 @@ FORWARD_WRITES: dict[str, Callable[[nn.Module], object]] = {
 
 
 def _write_hook(case: str) -> Callable[[nn.Module, object], None]:
+    """``case``'s write into blocks[1]; "recomputation": a clamp of blocks[1].fc's weight (its hook's module) only
+    when its forward is recomputed in backward (under activation checkpointing), after the entry's forward."""
     def write(module: nn.Module, args: object) -> None:
+        if case == "recomputation" and not in_backward():
+            return
         with torch.no_grad():
-            FORWARD_WRITES[case](module)
+            if case == "recomputation":
+                module.weight.clamp_(-0.05, 0.05)
+            else:
+                FORWARD_WRITES[case](module)
     return write
 
 
@@ -244,22 +253,28 @@ def forward_writes_worker(rank: int, world: int, collectives: str) -> dict:
     through the network it is taken in at the release, as DDP takes it (a second step compares). Last: in-place
     changes of activations inside forward train as under DDP."""
     out: dict = {}
-    cases = [*FORWARD_WRITES, "activations"] if collectives == "auto" else ["clamp_", "view", "out", "activations"]
+    cases = [*FORWARD_WRITES, "activations", "recomputation"] if collectives == "auto" else [
+        "clamp_", "view", "out", "activations"]
     for case in cases:
         reference, model = make_model(n_blocks=2), make_model(n_blocks=2)
         ddp = DistributedDataParallel(reference)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, collectives=collectives))
+        config = ZeroConfig(stage=3, collectives=collectives)
+        if case == "recomputation":  # each Linear a unit of its own inside a checkpointed block
+            apply_activation_checkpointing(model, make_policy(["Block"]), offload_to_cpu=False)
+            config = ZeroConfig(stage=3, collectives=collectives, unit_modules=["Linear"])
+        engine = ZeroEngine(model, [optimizer], config)
         result: dict = {"host_shared": engine.comms.host_shared, "mode": engine.hooks.forward_writes is not None}
         for step, (tokens,) in enumerate(make_batches(2, 1, 8)):
             if step == 1:
-                for module in (reference, model):
+                for module in (reference, model) if case != "recomputation" else (model,):
                     if case == "activations":
                         module.blocks[0].register_forward_hook(_activation_hook(0))
                         module.blocks[1].register_forward_hook(_activation_hook(1))
-                    else:
-                        module.blocks[1].register_forward_pre_hook(_write_hook(case))
+                    else:  # a checkpointed block's hooks stay outside the recomputation: its unit's are inside
+                        target = module.blocks[1].fc if case == "recomputation" else module.blocks[1]
+                        target.register_forward_pre_hook(_write_hook(case))
                 if engine.comms.host_shared:  # through the network the buffers hold nothing between uses
                     result |= {"masters": masters(engine), "read": _read_values(engine)}
             lm_loss(ddp, rank_slice(tokens, rank, world)).backward()
