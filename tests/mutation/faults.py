@@ -177,8 +177,9 @@ FAULTS: tuple[Fault, ...] = (
         replacement="        if lo >= start or _engine_handle(flat, target):",
         description="stage 3 on one host: a write inside forward is compared with the buffer's start instead of "
                     "its end, so a change of a host-wide parameter is let through and lands once per rank",
-        tests=("tests/distributed/test_in_place_changes.py::"
-               "test_writes_inside_forward_are_refused_before_they_land_or_taken_in_exactly[auto]",),
+        tests=("tests/unit/test_forward_writes.py",
+               "tests/distributed/test_in_place_changes.py::"
+               "test_writes_inside_forward_are_refused_before_they_land_or_taken_in_exactly[auto]"),
     ),
     # ------------------------------------------------------------------------------------------------ step
     Fault(

@@ -49,8 +49,8 @@ from zero_strategy.core.flat.errors import ShardedParameterError, is_sharded
 from zero_strategy.core.flat.flat_param import FlatParam
 from zero_strategy.core.flat.values_copy import function_name, is_in_place
 
-# in-place by name, but they change no values: a flag, or memory that is shared already
-_NO_VALUES = frozenset({"requires_grad_", "share_memory_"})
+# in-place by name, but they change no values: a flag, names, or memory that is shared already
+_NO_VALUES = frozenset({"requires_grad_", "detach_", "rename_", "share_memory_"})
 
 
 def _writes_first(func: Callable[..., Any]) -> bool:
