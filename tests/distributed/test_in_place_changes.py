@@ -9,7 +9,9 @@ single process doing the same math on the masters."""
 
 from __future__ import annotations
 
+import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,11 @@ from zero_strategy.checkpoint.export.consolidate import consolidate
 from zero_strategy.checkpoint.sharded.save import SaveInfo, save_sharded
 from zero_strategy.config import OffloadDevice, ZeroConfig
 from zero_strategy.core.engine.engine import ZeroEngine
+from zero_strategy.core.flat.errors import ShardedParameterError
 from zero_strategy.core.flat.whole import gather_whole, param_views
 from zero_strategy.core.plan.precision import MixedPrecisionPolicy
+from zero_strategy.core.runtime.activation_checkpointing import apply_activation_checkpointing, make_policy
+from zero_strategy.core.runtime.hooks import in_backward
 from zero_strategy.testing import run_ranks
 
 CHANGED = ("blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias")
@@ -197,12 +202,131 @@ def test_changes_inside_gathered_parameters_or_forward(stage: int, collectives: 
     parameters are read in place and a change every rank makes lands once per rank: refused, naming it."""
     for rank, result in enumerate(run_ranks(inside_worker, 2, stage, collectives, where, timeout_s=300)):
         assert result["host_shared"] == (stage == 3 and collectives == "auto")
-        if result["host_shared"] and where == "forward":
+        if result["host_shared"] and where == "forward":  # refused by the clamp itself, not by a release after it
             assert "ShardedParameterError" in result.get("error", ""), f"rank {rank}: {result}"
             assert "blocks.1.fc.weight" in result["error"] and "inside forward" in result["error"], result["error"]
+            assert "refused before it changed anything" in result["error"], result["error"]
             continue
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         assert_state_close(result["zero"], result["ddp"], rel=1e-5, what=f"rank {rank}")
+
+
+# Writes every rank makes inside forward (in a pre-forward hook of blocks[1]): to the parameter, through a view of
+# it, out=, torch.nn.init, p.detach(), p.data
+FORWARD_WRITES: dict[str, Callable[[nn.Module], object]] = {
+    "clamp_": lambda block: block.fc.weight.clamp_(-0.05, 0.05),
+    "view": lambda block: block.fc.weight[0].zero_(),
+    "out": lambda block: torch.mul(block.fc.bias, 0.5, out=block.fc.bias),
+    "init": lambda block: nn.init.zeros_(block.fc.bias),
+    "detach": lambda block: block.fc.weight.detach().mul_(0.5),
+    "data": lambda block: block.fc.weight.data.mul_(0.5),
+}
+
+
+def _write_hook(case: str) -> Callable[[nn.Module, object], None]:
+    """``case``'s write into blocks[1]; "recomputation": a clamp of blocks[1].fc's weight (its hook's module) only
+    when its forward is recomputed in backward (under activation checkpointing), after the entry's forward."""
+    def write(module: nn.Module, args: object) -> None:
+        if case == "recomputation" and not in_backward():
+            return
+        with torch.no_grad():
+            if case == "recomputation":
+                module.weight.clamp_(-0.05, 0.05)
+            else:
+                FORWARD_WRITES[case](module)
+    return write
+
+
+def _activation_hook(index: int) -> Callable[[nn.Module, object, torch.Tensor], torch.Tensor]:
+    """In-place changes of activations inside forward (nn.ReLU(inplace=True)'s call, ``x.mul_()``): no parameter."""
+    def change(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        return nn.functional.relu(output, inplace=True) if index == 0 else output.mul_(0.5)
+    return change
+
+
+def _read_values(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """What the module's parameters read: their views of each FlatParam's gathered (on one host: host-wide) buffer."""
+    return {name: value.clone() for flat in engine.flat_params for name, value in param_views(flat, flat.full)}
+
+
+def forward_writes_worker(rank: int, world: int, collectives: str) -> dict:
+    """Stage 3, fp32. Each case: a step, then a forward whose pre-hook writes into blocks.1.fc: on one host's
+    shared memory the write must raise as it is made, with the masters and what the module reads unchanged;
+    through the network it is taken in at the release, as DDP takes it (a second step compares). Last: in-place
+    changes of activations inside forward train as under DDP."""
+    out: dict = {}
+    # through the network a change through .data is not seen (a version counter of its own): lost, not DDP's
+    cases = [*FORWARD_WRITES, "activations", "recomputation"] if collectives == "auto" else [
+        "clamp_", "view", "out", "init", "detach", "activations"]
+    for case in cases:
+        reference, model = make_model(n_blocks=2), make_model(n_blocks=2)
+        ddp = DistributedDataParallel(reference)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = ZeroConfig(stage=3, collectives=collectives)
+        if case == "recomputation":  # each Linear a unit of its own inside a checkpointed block
+            apply_activation_checkpointing(model, make_policy(["Block"]), offload_to_cpu=False)
+            config = ZeroConfig(stage=3, collectives=collectives, unit_modules=["Linear"])
+        engine = ZeroEngine(model, [optimizer], config)
+        result: dict = {"host_shared": engine.comms.host_shared, "mode": engine.hooks.forward_writes is not None}
+        for step, (tokens,) in enumerate(make_batches(2, 1, 8)):
+            if step == 1:
+                for module in (reference, model) if case != "recomputation" else (model,):
+                    if case == "activations":
+                        module.blocks[0].register_forward_hook(_activation_hook(0))
+                        module.blocks[1].register_forward_hook(_activation_hook(1))
+                    else:  # a checkpointed block's hooks stay outside the recomputation: its unit's are inside
+                        target = module.blocks[1].fc if case == "recomputation" else module.blocks[1]
+                        target.register_forward_pre_hook(_write_hook(case))
+                if engine.comms.host_shared:  # through the network the buffers hold nothing between uses
+                    result |= {"masters": masters(engine), "read": _read_values(engine)}
+            lm_loss(ddp, rank_slice(tokens, rank, world)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            try:
+                lm_loss(model, rank_slice(tokens, rank, world)).backward()
+            except ShardedParameterError as error:
+                frames = [(Path(f.filename).name, f.name) for f in traceback.extract_tb(error.__traceback__)]
+                result |= {"error": str(error), "frames": frames}
+                break
+            engine.optimizer_step(optimizer)
+            optimizer.zero_grad()
+        result["modes_left"] = len(torch.overrides._get_current_function_mode_stack())  # nothing left pushed
+        if "error" in result:
+            result |= {"masters_after": masters(engine), "read_after": _read_values(engine)}
+        else:
+            result |= {"zero": clone_state(model), "ddp": clone_state(reference)}
+        engine.release()
+        out[case] = result
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("collectives", ["auto", "point_to_point"])
+def test_writes_inside_forward_are_refused_before_they_land_or_taken_in_exactly(collectives: str) -> None:
+    """Stage 3 on one host's shared memory: a change made inside forward to a parameter, a view of it, through
+    out=, torch.nn.init, p.detach() or p.data, or in a recomputation under activation checkpointing, raises as it
+    is made (the error's traceback ends in the write, not in a unit's release), naming the parameter, and nothing
+    is modified: the masters and the values the module reads are as before the forward. Through the network the
+    same changes (but .data's) reach the masters at the unit's release: DDP's result. In-place changes of
+    activations inside forward are no parameter's: DDP's result on both."""
+    for rank, results in enumerate(run_ranks(forward_writes_worker, 2, collectives, timeout_s=400)):
+        for case, result in results.items():
+            what = f"rank {rank}, {case}"
+            assert result["host_shared"] == result["mode"] == (collectives == "auto"), what
+            assert result["modes_left"] == 0, f"{what}: a torch function mode was left on the stack"
+            if collectives == "auto" and case != "activations":
+                error = result.get("error", "")
+                assert "blocks.1.fc." in error and "inside forward" in error, f"{what}: {result.get('error')}"
+                assert "refused before it changed anything" in error, f"{what}: {error}"
+                frames = result["frames"]  # raised by the write itself, in the mode: no unit was released
+                assert ("test_in_place_changes.py", "write") in frames, f"{what}: not raised by the write: {frames}"
+                assert frames[-1][0] == "forward_writes.py", f"{what}: raised elsewhere: {frames}"
+                assert_state_close(result["masters_after"], result["masters"], rel=0.0, what=f"{what}: masters")
+                assert_state_close(result["read_after"], result["read"], rel=0.0, what=f"{what}: module's values")
+                continue
+            assert "error" not in result, f"{what}: {result.get('error')}"
+            assert_state_close(result["zero"], result["ddp"], rel=1e-5, what=what)
 
 
 def save_worker(rank: int, world: int, stage: int, root: str, dtype: torch.dtype | None) -> dict:

@@ -169,6 +169,18 @@ FAULTS: tuple[Fault, ...] = (
                     "compute buffer the forward reads",
         tests=(f"{PRECISION_PARITY}::test_low_precision_matches_reference_at_every_stage[bf16-mixed]",),
     ),
+    Fault(
+        name="forward-write-not-refused",
+        area="flat",
+        file="zero_strategy/core/runtime/forward_writes.py",
+        original="        if lo >= end or _engine_handle(flat, target):",
+        replacement="        if lo >= start or _engine_handle(flat, target):",
+        description="stage 3 on one host: a write inside forward is compared with the buffer's start instead of "
+                    "its end, so a change of a host-wide parameter is let through and lands once per rank",
+        tests=("tests/unit/test_forward_writes.py",
+               "tests/distributed/test_in_place_changes.py::"
+               "test_writes_inside_forward_are_refused_before_they_land_or_taken_in_exactly[auto]"),
+    ),
     # ------------------------------------------------------------------------------------------------ step
     Fault(
         name="norm-not-all-reduced",

@@ -27,9 +27,12 @@ a change, made by every rank as under DDP:
   change as it is made): each rank changes its own copy (through the network the gathered buffer; on one host a
   private copy of the host-wide buffer, made at entry), and the unit's release takes the changed parameters' ranges
   into the masters (master_writes.py; on one host between two barriers): exact. Inside forward through the network
-  the same happens at the unit's release; on one host's shared memory forward reads the host-wide buffer in place,
-  where a change every rank makes lands once per rank: the release raises :class:`ShardedParameterError` naming
-  the parameter (after the fact: the buffer is changed by then).
+  the same happens at the unit's release. On one host's shared memory forward reads the host-wide buffer in place,
+  where a change every rank makes would land once per rank: the change is refused as it is made, with a
+  :class:`ShardedParameterError` naming the parameter, before it changes anything (a torch function mode that
+  engine pushes for forward; see [Note: writes inside forward on shared memory] in core/runtime/forward_writes.py).
+  A change that bypasses torch functions (through numpy) is refused by the unit's release instead, after the fact:
+  the buffer is changed by then.
 - refused with :class:`InPlaceChangeError`, naming the parameters, before any master takes the change (the module's
   copy holds it already; the run stops): in bf16/fp16 a change found by the version counters that the watch did
   not see being made (inside forward, between forward and backward, through a view or ``p.detach()``), which the
@@ -51,8 +54,11 @@ from torch import Tensor
 
 HOST_WIDE = (
     "it was made inside forward, where at stage 3 on one host its values live once per host in shared memory, so a "
-    "change every rank makes lands once per rank (x0.25 for a mul_(0.5) on 2 ranks). Make it outside forward (with "
-    "torch.no_grad(): on every rank), or inside gathered_parameters(), where it is applied to the masters."
+    "change every rank makes lands once per rank (x0.25 for a mul_(0.5) on 2 ranks). It went past the check that "
+    "refuses such a change as it is made (a write that does not go through a torch function: through numpy, or "
+    "from a backward hook), so it is found only now, at the unit's release: the shared values ARE changed already "
+    "and the run cannot go on. Make it outside forward (with torch.no_grad(): on every rank), or inside "
+    "gathered_parameters(), where it is applied to the masters."
 )
 OVERWRITTEN = (
     "refused: it was made during the optimizer step, after the masters (kept apart from the parameters here: "

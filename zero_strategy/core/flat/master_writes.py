@@ -69,7 +69,8 @@ def take_changes_at_release(flat: FlatParam, private: Tensor | None) -> None:
     (``private``: this rank's copy; a collective then, the host-wide slice being rewritten between two barriers):
     exact in fp32; in bf16/fp16 the changes the watch saw were applied to the masters already (exact_writes.py), and
     one found here would reach them rounded: refused (InPlaceChangeError). Inside forward on one host the
-    parameters read the host-wide buffer in place, where a change every rank makes landed once per rank: an error."""
+    parameters read the host-wide buffer in place, where a change every rank makes landed once per rank: an error,
+    the backstop for a change that bypassed the check made as it happens (core/runtime/forward_writes.py)."""
     storage = flat.storage
     if storage.full.readable_in_place and private is None:
         changed = flat.in_place.take_changed()

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.core.runtime.backward_reductions import BackwardReductions, GradientSync
 from zero_strategy.core.runtime.compile_check import not_traced
+from zero_strategy.core.runtime.forward_writes import ForwardWrites
 from zero_strategy.core.runtime.owned_hook import OwnedHook
 from zero_strategy.core.runtime.reduction_order import ReductionOrder
 from zero_strategy.core.runtime.unit import TrainingState, ZeroUnit
@@ -85,6 +86,10 @@ class RuntimeHooks:
         self._callback_queued = False
         self._entry_depth = 0  # forwards of the entry module running now (see [Note: every forward gathers])
         self._handles: list[RemovableHandle] = []
+        # stage 3 on one host's shared memory: writes inside forward refused as they are made (None elsewhere; see
+        # [Note: writes inside forward on shared memory] in forward_writes.py)
+        flats = [flat for unit in units for flat in unit.flat_params]
+        self.forward_writes = ForwardWrites.for_flats(flats) if stage.reshards_parameters else None
 
     def install(self) -> None:
         for unit in self.units:
@@ -94,6 +99,9 @@ class RuntimeHooks:
                         module.register_forward_pre_hook(OwnedHook(self._pre_forward, unit), prepend=True)
                     )
                     self._handles.append(module.register_forward_hook(OwnedHook(self._post_forward, unit)))
+                    if self.forward_writes is not None:  # a recomputation's mode goes even when it raises
+                        self._handles.append(module.register_forward_hook(
+                            OwnedHook(self._after_recomputation), always_call=True))
                 if unit.is_root:  # see [Note: every forward gathers]
                     for module in self._root_users(unit):
                         self._handles.append(module.register_forward_pre_hook(
@@ -139,6 +147,8 @@ class RuntimeHooks:
     @not_traced  # see [Note: torch.compile] in compile_check.py
     def _pre_root_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
+            if self.forward_writes is not None:  # first: the always-called post hook takes it off again
+                self.forward_writes.enter()
             self._entry_depth += 1
             self.on_root_forward()
 
@@ -146,6 +156,8 @@ class RuntimeHooks:
     def _post_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
+        if self.forward_writes is not None:
+            self.forward_writes.exit()
         self._entry_depth -= 1
         backward_follows = torch.is_grad_enabled() and any(
             isinstance(tensor, Tensor) and tensor.requires_grad for tensor in tree_flatten(output)[0])
@@ -164,6 +176,8 @@ class RuntimeHooks:
     @not_traced  # see [Note: torch.compile] in compile_check.py
     def _pre_forward(self, unit: ZeroUnit, module: nn.Module, args: Any) -> None:
         if in_backward():  # recomputation under activation checkpointing: the unit must be whole again
+            if self.forward_writes is not None:  # first: the always-called post hook takes it off again
+                self.forward_writes.enter()
             unit.unshard()
             return
         unit.unshard()
@@ -188,6 +202,11 @@ class RuntimeHooks:
         last = self._order_recorded and self.forward_order and unit is self.forward_order[-1]
         if not ((unit.is_root or last) and torch.is_grad_enabled()):
             unit.reshard()
+
+    @not_traced  # see [Note: torch.compile] in compile_check.py
+    def _after_recomputation(self, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward() and self.forward_writes is not None:
+            self.forward_writes.exit()
 
     # [Note: every forward gathers]
     # The root unit (the parameters outside any other unit) is gathered when the step's forward enters the entry
