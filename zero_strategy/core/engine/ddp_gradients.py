@@ -61,8 +61,8 @@ from torch import Tensor, nn
 
 from zero_strategy.core.engine.first_use import ReadsUntilFirstUse
 from zero_strategy.core.flat.exact_writes import replays_writes
-from zero_strategy.core.flat.flat_param import FlatParam
-from zero_strategy.core.flat.grad_reads import unwatch, watch
+from zero_strategy.core.flat.flat_param import FlatParam, ParamState
+from zero_strategy.core.flat.grad_reads import unwatch, watch, watch_whole
 from zero_strategy.core.flat.whole import gather_whole
 
 # the remedy both errors name (only the Trainer's windows reduce early: Fabric's no_backward_sync always holds)
@@ -91,12 +91,12 @@ class DdpGradients:
     """The engine's answer to reads of ``p.grad`` (see [Note: p.grad as under DDP])."""
 
     def __init__(self, flats: list[FlatParam], reduce_all: Callable[[], None], reduces_every_microstep: bool,
-                 single_rank: bool = False, entered_elsewhere: nn.Module | None = None) -> None:
+                 single_rank: bool = False, entered_elsewhere: tuple[nn.Module, nn.Module] | None = None) -> None:
         """``reduce_all``: bring every optimizer's pending gradients onto its slices without ending any step's
         accumulation (collective). ``reduces_every_microstep``: stages 2/3. ``single_rank``: the run has one rank,
-        whose slices reduced inside a window hold its own sum (DDP's value there). ``entered_elsewhere``: the
-        module, where an adapter's wrapper is the step's entry (the Trainer's: ``training_step`` runs inside);
-        reads then run on to the model's first computation (see [Note: reads until the model computes])."""
+        whose slices reduced inside a window hold its own sum (DDP's value there). ``entered_elsewhere``: (the
+        module, the entry), where an adapter's wrapper is the step's entry (the Trainer's: ``training_step`` runs
+        inside); reads then run on to the model's first computation (see [Note: reads until the model computes])."""
         self.flats = flats
         self.reduce_all = reduce_all
         self.reduces_every_microstep = reduces_every_microstep
@@ -113,11 +113,10 @@ class DdpGradients:
         if self._replays_watched:
             watch(self._replaying, only_replaying=True)
         self._first_use: ReadsUntilFirstUse | None = None
-        # stages 1/2 (stage 3's parameters answer reads outside their unit's forward anyway)
-        if entered_elsewhere is not None and any(flat.keeps_full for flat in flats) and \
-                ReadsUntilFirstUse.applies(entered_elsewhere):
+        if entered_elsewhere is not None and ReadsUntilFirstUse.applies(entered_elsewhere[0]):
             params = {id(param) for flat in flats for param in flat.params}
-            self._first_use = ReadsUntilFirstUse(entered_elsewhere, params, self.before_forward)
+            self._first_use = ReadsUntilFirstUse(*entered_elsewhere, params, self._watch_gathered,
+                                                 self.before_forward)
         reader = weakref.WeakMethod(self.read)
         edits = weakref.WeakMethod(self.take_edits_of)
         for flat in flats:
@@ -142,6 +141,13 @@ class DdpGradients:
         """A step's forward entered: reads end here, or at the model's first computation when deferred."""
         if self._first_use is None:
             self.before_forward()
+
+    def _watch_gathered(self) -> None:
+        """Stage 3's FlatParams whole at the step's entry (the root unit) answer reads until the model computes."""
+        gathered = [flat for flat in self.flats if not flat.keeps_full and flat.state is ParamState.UNSHARDED]
+        if gathered:
+            watch_whole(gathered)
+            self._watched = True
 
     def before_forward(self) -> None:
         """Forward computes with the parameters' own class (nothing in forward pays for reads)."""

@@ -133,7 +133,7 @@ class ZeroEngine:
         # reads of p.grad return DDP's values (see [Note: p.grad as under DDP] in ddp_gradients.py)
         self.gradient_reads = DdpGradients(self.flat_params, self._reduce_all_pending,
                                            self.stage.reduces_every_microstep, self.comms.everyone.size == 1,
-                                           entered_elsewhere=module if entry_module not in (None, module) else None)
+                                           entered_elsewhere=None if entry_module is None else (module, entry_module))
         self.windows.gradient_reads = self.gradient_reads
         self.hooks = RuntimeHooks(self.units, self.stage, entry_module or module, config.prefetch,
                                   self._before_root_forward, order, self.gradient_reads.after_backward,

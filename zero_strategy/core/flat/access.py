@@ -63,7 +63,13 @@ import torch
 from torch import Tensor, nn
 
 from zero_strategy.core.flat.errors import SHARDED_MARKER, ShardedParameterError
-from zero_strategy.core.flat.grad_reads import answer_grad_read, answer_grad_write, is_grad_getter, is_grad_setter
+from zero_strategy.core.flat.grad_reads import (
+    answer_grad_read,
+    answer_grad_write,
+    is_grad_getter,
+    is_grad_setter,
+    unwatch_param,
+)
 from zero_strategy.core.flat.outside_forward import run_outside_forward
 from zero_strategy.core.plan.tensor_parallel import is_distributed
 
@@ -205,6 +211,7 @@ def forget_owner(param: Tensor) -> None:
 def wrap(params: list[nn.Parameter]) -> None:
     """Their values are going elsewhere: reads outside forward are decided by the subclass (idempotent)."""
     for param in params:
+        unwatch_param(param)  # a root parameter still watched for reads of .grad (core/engine/first_use.py)
         # a tensor-parallel parameter keeps its class: a DTensor's dispatch is its class's (see flat_param.py)
         if not isinstance(param, _Sharded) and not is_distributed(param):
             param.__class__ = _sharded_class(type(param))

@@ -170,13 +170,29 @@ def replaying_writes(flats: list[Any]) -> Iterator[None]:
         unwatch(flats)
 
 
+def watch_whole(flats: list[Any]) -> None:
+    """Reads of ``.grad`` of the parameters of ``flats`` are answered by the engine whatever their stage: stage 3's
+    root unit, whole (and its parameters their own class) from the step's entry to the model's first computation
+    (see [Note: reads until the model computes] in core/engine/first_use.py); until :func:`unwatch`."""
+    for flat in flats:
+        for param in flat.params:
+            if not isinstance(param, _GradWatched) and not is_distributed(param):
+                param.__dict__[WATCHED_KEY] = weakref.ref(flat)
+                param.__class__ = _watched_class(type(param))
+
+
 def unwatch(flats: list[Any]) -> None:
     """The parameters of ``flats`` take their own class back (idempotent)."""
     for flat in flats:
         for param in flat.params:
-            if isinstance(param, _GradWatched):
-                param.__class__ = type(param).__mro__[2]
-                param.__dict__.pop(WATCHED_KEY, None)
+            unwatch_param(param)
+
+
+def unwatch_param(param: Any) -> None:
+    """``param`` takes its own class back, if it was watched."""
+    if isinstance(param, _GradWatched):
+        param.__class__ = type(param).__mro__[2]
+        param.__dict__.pop(WATCHED_KEY, None)
 
 
 def torch_grad(param: Tensor) -> Tensor | None:
