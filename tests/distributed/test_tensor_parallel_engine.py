@@ -5,7 +5,8 @@ three quantities that cross the TP dimension, against one process without TP (is
   parameters counted once;
 - per-parameter gradient norms (``zero_strategy.grad_norm``'s source), the same way;
 - the fp16 overflow decision: an inf in one TP rank's block only makes every rank of the world skip.
-Each runs at stages 1/2/3, stage 3 on one host's shared memory and on the network path (point-to-point).
+Each runs at stages 1/2/3, stage 3 on one host's shared memory and on the network path (point-to-point), all
+in one launch of 4 ranks.
 """
 
 from __future__ import annotations
@@ -77,11 +78,26 @@ def _reference() -> tuple[float, float, dict[str, float]]:
 CASES = [(1, "auto"), (2, "auto"), (3, "auto"), (3, "point_to_point")]
 
 
-@pytest.mark.timeout(180)
+def each_case(rank: int, world: int) -> dict[tuple[int, str], dict[str, Any]]:
+    """Every case in one launch (a fresh engine, model and mesh each): its norms and its overflow decision."""
+    return {(stage, collectives): {"norms": norms_on_rank(rank, world, stage, collectives),
+                                   "overflow": overflow_on_rank(rank, world, stage, collectives)}
+            for stage, collectives in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[tuple[int, str], dict[str, Any]]]:
+    return run_ranks(each_case, WORLD, timeout_s=250)
+
+
+# Each timeout covers the launch of every case if its test is the first to use `runs`.
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("stage", "collectives"), CASES)
-def test_norms_cross_the_tensor_parallel_group(stage: int, collectives: str) -> None:
+def test_norms_cross_the_tensor_parallel_group(runs: list[dict[tuple[int, str], dict[str, Any]]], stage: int,
+                                               collectives: str) -> None:  # fmt: skip
     total, largest, per_parameter = _reference()
-    for rank, result in enumerate(run_ranks(norms_on_rank, WORLD, stage, collectives, timeout_s=150)):
+    for rank, ranks_cases in enumerate(runs):
+        result = ranks_cases[(stage, collectives)]["norms"]
         assert abs(result["global"].item() - total) <= 1e-5 * total, (rank, result["global"], total)
         assert abs(result["inf"].item() - largest) <= 1e-6 * largest, (rank, result["inf"], largest)
         assert result["per_parameter"].keys() == per_parameter.keys()
@@ -90,7 +106,9 @@ def test_norms_cross_the_tensor_parallel_group(stage: int, collectives: str) -> 
             assert got is not None and abs(got.item() - expected) <= 1e-5 * expected + 1e-9, (rank, name, got)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("stage", "collectives"), CASES)
-def test_an_overflow_in_one_tensor_parallel_block_is_agreed_by_every_rank(stage: int, collectives: str) -> None:
-    assert run_ranks(overflow_on_rank, WORLD, stage, collectives, timeout_s=150) == [True] * WORLD
+def test_an_overflow_in_one_tensor_parallel_block_is_agreed_by_every_rank(
+    runs: list[dict[tuple[int, str], dict[str, Any]]], stage: int, collectives: str
+) -> None:
+    assert [ranks_cases[(stage, collectives)]["overflow"] for ranks_cases in runs] == [True] * WORLD

@@ -174,12 +174,27 @@ def _fit_rank(rank: int, world_size: int, strategy: str, settings: TPSettings) -
             "layouts": module.layouts}
 
 
-def run_2d(strategy: str, settings: TPSettings, timeout_s: float = 120.0) -> TPRun:
-    """A Trainer fit of :class:`TPLlamaModule` on ``settings.dp * settings.tp`` ranks with ``STRATEGIES[strategy]``."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {sorted(STRATEGIES)}: add a factory to STRATEGIES")
-    world = settings.dp * settings.tp
-    results = run_ranks(_fit_rank, world, strategy, settings, timeout_s=timeout_s, pg_timeout_s=60.0)
+def _fit_cases(rank: int, world_size: int, cases: list[tuple[str, TPSettings]]) -> list[dict[str, Any]]:
+    return [_fit_rank(rank, world_size, strategy, settings) for strategy, settings in cases]
+
+
+def run_2d_many(cases: list[tuple[str, TPSettings]], timeout_s: float = 300.0) -> list[TPRun]:
+    """A Trainer fit of :class:`TPLlamaModule` for each ``(strategy, settings)`` case (``STRATEGIES[strategy]`` on
+    ``settings.dp * settings.tp`` ranks), one after another in one launch of ranks: the fork, the process group and
+    Lightning's first-fit work per rank are paid once, not per case. Every case has the same ``dp * tp``."""
+    unknown = sorted({strategy for strategy, _ in cases} - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"strategies {unknown} are not keys of STRATEGIES ({sorted(STRATEGIES)}): add a factory")
+    worlds = {settings.dp * settings.tp for _, settings in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"the cases of one launch need one world size (dp * tp), got {sorted(worlds)}: split them")
+    world = worlds.pop()
+    per_rank = run_ranks(_fit_cases, world, cases, timeout_s=timeout_s, pg_timeout_s=60.0)
+    return [_tp_run([ranks[i] for ranks in per_rank], settings) for i, (_, settings) in enumerate(cases)]
+
+
+def _tp_run(results: list[dict[str, Any]], settings: TPSettings) -> TPRun:
+    """One case's per-rank results as a :class:`TPRun`."""
     rank_losses = [r["losses"] for r in results]
     coords = [r["coords"] for r in results]
     # one TP rank per DP group speaks for it (the test checks that the TP ranks agree)

@@ -6,8 +6,9 @@ gradient accumulation. AdamW's eps is 1e-5 here (see ``ADAMW_EPS`` in tests/help
 of near-zero gradients alone moves weights by 7e-5 relative).
 
 This is the yardstick the ZeRO x TP runs are held to (``helpers.tp_runs.STRATEGIES`` keys ``zero1/2/3``,
-``zero3_p2p``): if it fails, the reference, not ZeRO, is broken. Each test forks 4 ranks (``run_ranks``, taken by
-Lightning for ranks torchrun started) and fits 4 optimizer steps: 4-10 s each measured with both cores busy.
+``zero3_p2p``): if it fails, the reference, not ZeRO, is broken. Every fit (4 optimizer steps) runs one after another
+in one launch of 4 ranks (``run_ranks``, taken by Lightning for ranks torchrun started): ModelParallelStrategy under
+each setting, then each ZeRO strategy under the accumulated AdamW one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 from helpers.compare import assert_state_close, assert_values_close, max_rel_err
 from helpers.tp_llama import LlamaConfig, apply_tp_plan, build_llama
-from helpers.tp_runs import TPRun, TPSettings, run_2d, run_reference
+from helpers.tp_runs import TPRun, TPSettings, run_2d_many, run_reference
 
 TOLERANCE = 1e-5  # issue 36: weights and losses within 1e-5 of the reference (3e-6 measured with AdamW)
 
@@ -33,13 +34,38 @@ def check_run(got: TPRun, ref: TPRun, settings: TPSettings) -> None:
     assert_state_close(got.state, ref.state, TOLERANCE, "final weights")
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("optimizer", "lr", "clip", "accumulate"), [
-    ("sgd", 0.05, None, 1), ("sgd", 0.05, 0.5, 1), ("adamw", 3e-3, None, 1), ("adamw", 3e-3, 0.5, 1),
-    ("adamw", 3e-3, 0.5, 2),
-], ids=["sgd", "sgd-clip", "adamw", "adamw-clip", "adamw-clip-accumulate2"])  # fmt: skip
-def test_model_parallel_2x2_equals_one_process(optimizer: str, lr: float, clip: float | None, accumulate: int) -> None:
-    settings = TPSettings(optimizer=optimizer, lr=lr, clip=clip, accumulate=accumulate)
+SETTINGS = {
+    "sgd": TPSettings(optimizer="sgd", lr=0.05),
+    "sgd-clip": TPSettings(optimizer="sgd", lr=0.05, clip=0.5),
+    "adamw": TPSettings(optimizer="adamw", lr=3e-3),
+    "adamw-clip": TPSettings(optimizer="adamw", lr=3e-3, clip=0.5),
+    "adamw-clip-accumulate2": TPSettings(optimizer="adamw", lr=3e-3, clip=0.5, accumulate=2),
+}
+ACCUMULATED = "adamw-clip-accumulate2"
+"""The setting the ZeRO strategies run under (AdamW, clipping, 2 micro-batches per step)."""
+ZERO = ("zero1", "zero2", "zero3", "zero3_p2p")
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, TPRun]:
+    """ModelParallelStrategy's run of each setting (keyed by its name) and each ZeRO strategy's run of the
+    accumulated one (keyed by the strategy), all in one launch."""
+    cases = [("mps", settings) for settings in SETTINGS.values()] + [(name, SETTINGS[ACCUMULATED]) for name in ZERO]
+    return dict(zip([*SETTINGS, *ZERO], run_2d_many(cases), strict=True))
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference() -> TPRun:
+    return run_reference(SETTINGS[ACCUMULATED])
+
+
+# Each timeout covers the launch of every fit if its test is the first to use `runs` (about 20 s measured with both
+# cores busy).
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_model_parallel_2x2_equals_one_process(runs: dict[str, TPRun], name: str) -> None:
+    settings = SETTINGS[name]
+    clip = settings.clip
     ref = run_reference(settings)
     initial = {k: v.detach() for k, v in build_llama(settings.config, settings.seed).state_dict().items()}
     # the comparison means something: training moved every weight far beyond the tolerance, and the clip acts
@@ -47,7 +73,7 @@ def test_model_parallel_2x2_equals_one_process(optimizer: str, lr: float, clip: 
     assert moved > 100 * TOLERANCE
     if clip is not None:
         assert min(ref.grad_norms) > 1.5 * clip, ref.grad_norms
-    got = run_2d("mps", settings)
+    got = runs[name]
     assert got.mesh_coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # the plan was applied (column-wise wq: rows split over tensor_parallel) and FSDP2 sharded over data_parallel
     # (torch writes that dimension's placement as _StridedShard when it shards an already TP-sharded dimension)
@@ -73,23 +99,16 @@ def test_tp_plan_refuses_sizes_the_tp_size_does_not_divide() -> None:
         apply_tp_plan(model, _Mesh(3))  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def accumulated_adamw() -> tuple[TPSettings, TPRun, TPRun]:
-    """AdamW, clipping, 2 micro-batches per step: the reference and ModelParallelStrategy's run."""
-    settings = TPSettings(optimizer="adamw", lr=3e-3, clip=0.5, accumulate=2)
-    return settings, run_reference(settings), run_2d("mps", settings)
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3_p2p"])
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ZERO)
 def test_zero_over_data_parallel_equals_one_process_and_model_parallel_strategy(
-    accumulated_adamw: tuple[TPSettings, TPRun, TPRun], strategy: str
+    runs: dict[str, TPRun], accumulated_reference: TPRun, strategy: str
 ) -> None:
     """Issue 36's bar: ``ZeroStrategy(stage=s, tensor_parallel_size=2)`` on the same module (the plan applied in
     ``configure_model``, fully_shard only under ModelParallelStrategy) trains as one process does and as
     ModelParallelStrategy does, both run here; stage 3 on one host's shared memory and on the network path."""
-    settings, ref, model_parallel = accumulated_adamw
-    got = run_2d(strategy, settings)
+    settings = SETTINGS[ACCUMULATED]
+    ref, model_parallel, got = accumulated_reference, runs[ACCUMULATED], runs[strategy]
     assert got.mesh_coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
     check_run(got, ref, settings)
     assert_values_close(got.losses, model_parallel.losses, TOLERANCE, "losses against ModelParallelStrategy",

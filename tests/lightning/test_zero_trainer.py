@@ -1,11 +1,12 @@
 """Real ``Trainer`` fits on 2 CPU ranks against DDP with the same seeds and data.
 
-One fit per strategy through Lightning's spawn launcher (``zero1_spawn``, ``zero2_spawn``, ``zero3_spawn`` against
-``ddp_spawn``) is shared (module-scoped) by the tests that inspect it: the model has a tied embedding/output weight
-and a frozen middle block, uses ``accumulate_grad_batches=3`` with a partial last window (7 batches per rank and
-epoch), gradient clipping by norm, ``self.log(..., sync_dist=True)``, a torchmetrics metric and a validation loop.
-These are the suite's main coverage of the spawn launcher: the main process's module after the fit, and files each
-spawned rank writes.
+One fit per strategy through Lightning's spawn launcher (``zero1_spawn``, ``zero2_spawn``, ``zero3_spawn``) is shared
+(module-scoped) by the tests that inspect it, against one DDP fit of the same module (in ``run_ranks`` ranks: the
+reference is DDP's math, not its launcher, and a fork costs less than a spawned interpreter per rank). The model
+has a tied embedding/output weight and a frozen middle block, uses ``accumulate_grad_batches=3`` with a partial last
+window (7 batches per rank and epoch), gradient clipping by norm, ``self.log(..., sync_dist=True)``, a torchmetrics
+metric and a validation loop. These are the suite's main coverage of the spawn launcher: the main process's module
+after the fit, and files each spawned rank writes.
 
 The tests whose point is not the launcher (``fit`` then ``test`` and ``predict`` at stage 3, a GAN under manual
 optimization, LBFGS refused) run their fits in ``run_ranks`` ranks that Lightning takes for ranks torchrun
@@ -53,6 +54,20 @@ def runs(tmp_path_factory):
     return get
 
 
+def _ddp_fit(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    as_launched_rank(rank, world_size)
+    model, trainer = fit_lm("ddp", out_dir)
+    return {"state": state_of(model), "metrics": {k: v.item() for k, v in trainer.callback_metrics.items()}}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> tuple[dict[str, Tensor], dict[str, float], Any]:
+    """DDP's fit: rank 0's final state and logged metrics, and the directory its ranks wrote their files to."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    first = run_ranks(_ddp_fit, 2, str(out_dir), timeout_s=120)[0]
+    return first["state"], first["metrics"], out_dir
+
+
 @pytest.fixture(scope="module")
 def initial_state():
     pl.seed_everything(0, verbose=False)
@@ -61,16 +76,16 @@ def initial_state():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", SPAWN_NAMES)
-def test_fit_matches_ddp(runs, name):
+def test_fit_matches_ddp(runs, ddp, name):
     """After ``fit`` the main process's module holds full parameters equal to DDP's (accumulation with a partial
     window, clipping, tied and frozen weights included)."""
-    ddp_model, _, ddp_dir = runs("ddp_spawn")
+    ddp_state, _, ddp_dir = ddp
     norms = read_rank_files(ddp_dir, "train")[0]["grad_norms"]
     assert len(norms) == 6, "2 epochs x (3 + 3 + 1 micro-batches) must give 6 optimizer steps"
     assert min(norms) > 2 * lit.CLIP, "DDP must actually clip for the comparison to cover clipping"
     model, _, out_dir = runs(name)
     assert [r["reports"]["global_step"] for r in read_rank_files(out_dir, "train")] == [6, 6]
-    assert_state_close(state_of(model), state_of(ddp_model), rel=1e-5, what=f"{name} vs ddp_spawn")
+    assert_state_close(state_of(model), ddp_state, rel=1e-5, what=f"{name} vs ddp")
     for rank_file in read_rank_files(out_dir, "train"):  # zero_strategy.grad_norm before each step: DDP's
         assert rank_file["grad_norms"] == pytest.approx(norms, rel=1e-5), f"{name}: gradient norms before the step"
 
@@ -89,10 +104,10 @@ def test_zero3_tied_and_frozen(runs, initial_state):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", SPAWN_NAMES)
-def test_logging_is_synced_across_ranks(runs, name):
+def test_logging_is_synced_across_ranks(runs, ddp, name):
     """Each rank sees a different half of the data; the logged epoch values are global means, as under DDP."""
     _, trainer, _ = runs(name)
-    _, ddp_trainer, _ = runs("ddp_spawn")
+    _, ddp_metrics, _ = ddp
     metrics = trainer.callback_metrics
     global_mean = (lit.N_TRAIN - 1) / 2  # mean sample index over the whole data set
     rank0_mean = sum(range(0, lit.N_TRAIN, 2)) / (lit.N_TRAIN // 2)
@@ -100,7 +115,7 @@ def test_logging_is_synced_across_ranks(runs, name):
     assert metrics["idx_mean"].item() == pytest.approx(global_mean, abs=1e-6)
     assert metrics["idx_metric"].item() == pytest.approx(global_mean, abs=1e-6)
     for key in ("val_loss", "train_loss_epoch"):
-        assert metrics[key].item() == pytest.approx(ddp_trainer.callback_metrics[key].item(), rel=1e-5), key
+        assert metrics[key].item() == pytest.approx(ddp_metrics[key], rel=1e-5), key
 
 
 @pytest.mark.timeout(150)

@@ -47,8 +47,9 @@ FAULTS: tuple[Fault, ...] = (
         area="engine",
         file="zero_strategy/core/engine/gradients.py",
         original='found = tensor.all_reduce(found, ReduceOp.MAX, "overflow check across tensor parallel")',
-        replacement='found = tensor.all_reduce(found, ReduceOp.MIN, "overflow check across tensor parallel")',
-        description="tensor parallelism + fp16: a TP rank whose block overflowed skips alone (the flag not agreed)",
+        replacement='found = comm.all_reduce(found, ReduceOp.MAX, "overflow check across tensor parallel")',
+        description="tensor parallelism + fp16: the flag is agreed over the data-parallel group again, not over "
+                    "tensor parallel: the TP ranks whose block overflowed skip alone",
         tests=("tests/distributed/test_tensor_parallel_engine.py::"
                "test_an_overflow_in_one_tensor_parallel_block_is_agreed_by_every_rank",),
     ),
