@@ -95,12 +95,14 @@ def _fullgraph_error(rank: int, world_size: int) -> str:
 
     torch._dynamo.reset()
     model = _unrolled()
-    ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
     tokens = rank_slice(make_batches(1, 1, GLOBAL_BATCH)[0][0], rank, world_size)
     try:
         lm_loss(torch.compile(model, backend="aot_eager", fullgraph=True), tokens)
     except Exception as error:  # every rank fails at the same point: tracing the first block unit's call
         return str(error)
+    finally:
+        del engine  # held to here: an engine nobody holds goes at any garbage collection, hooks and all
     return "no error"
 
 

@@ -205,8 +205,10 @@ def test_bytes_per_step(stage, world_size, accum):
 def unit_at_a_time_worker(rank, world_size, prefetch):
     model = make_model(n_blocks=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    # gathers through the network (on one host's CPU the units are read in place instead: test_shared_shards.py)
-    ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=prefetch, collectives="point_to_point"))
+    # gathers through the network (on one host's CPU the units are read in place instead: test_shared_shards.py).
+    # Kept in a name: an engine nobody holds goes at the next garbage collection, hooks and all (see [Note: hooks
+    # hold the engine weakly]), which made this test fail whenever a collection fell inside its loop
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, prefetch=prefetch, collectives="point_to_point"))
     seen = []
 
     def whole():
@@ -219,6 +221,7 @@ def unit_at_a_time_worker(rank, world_size, prefetch):
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
         seen.append(("after backward", -1, whole()))
+    del engine  # only now may it go
     return seen
 
 
@@ -249,7 +252,7 @@ def backward_prefetch_worker(rank, world_size):
     # nested units: each block, and inside it its Linear (the hook order in backward is not reversed forward order);
     # network gathers, whose start and end can be told apart (on one host's CPU nothing would be gathered at all)
     config = ZeroConfig(stage=3, unit_modules=["Block", "Linear"], collectives="point_to_point")
-    ZeroEngine(model, [optimizer], config)
+    engine = ZeroEngine(model, [optimizer], config)  # held: see unit_at_a_time_worker
     needed: list[tuple[int, str, bool]] = []  # (step, unit, was its gather already started when backward needed it)
     step = [0]
     original_unshard = unit_module.ZeroUnit.unshard
@@ -266,6 +269,7 @@ def backward_prefetch_worker(rank, world_size):
         step[0] = index
         optimizer.zero_grad()
         lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+    del engine  # only now may it go
     return needed
 
 
